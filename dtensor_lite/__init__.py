@@ -1,0 +1,19 @@
+"""dtensor_lite: distributed tensors (DeviceMesh, placements, DTensor, redistribute).
+
+Public names mirror ``torch.distributed.tensor`` so switching is a change of imports.
+"""
+from .device_mesh import DeviceMesh, init_device_mesh
+from .placements import Partial, Placement, Replicate, Shard, _StridedShard
+from .spec import DTensorSpec, TensorMeta
+from .dtensor import DTensor
+from . import ops  # noqa: F401  (registers the sharding rules)
+from .redistribute import explain_redistribute, RedistributePlan
+from .api import (distribute_tensor, distribute_module, zeros, ones, empty, full, rand, randn)
+from . import debug
+
+__all__ = [
+    "DeviceMesh", "init_device_mesh", "Placement", "Shard", "Replicate", "Partial", "DTensor",
+    "DTensorSpec", "TensorMeta", "distribute_tensor", "distribute_module", "zeros", "ones",
+    "empty", "full", "rand", "randn", "explain_redistribute", "RedistributePlan", "debug",
+]
+__version__ = "0.1.0"

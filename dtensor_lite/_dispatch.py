@@ -1,0 +1,371 @@
+"""The op dispatcher behind ``DTensor.__torch_dispatch__``.
+
+Per aten op: build a cache key from the op, the input specs and the non-tensor arguments; on a
+miss, ask the op's sharding rule for strategies, pick the cheapest, and record a *decision* (the
+specs each input must have, the output specs, and how to run the local op); on every call,
+redistribute the inputs that differ, run the op on local pieces and wrap the results.
+
+A cache hit does only what cannot be cached: walk the arguments once to build the key and collect
+the local tensors, run the local op, and build the output wrappers.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.utils._pytree import tree_map
+
+from . import _caches
+from .dtensor import DTensor, _redistribute_local
+from .ops import _registry
+from .ops._registry import FullStrategy, OpCall
+from .spec import DTensorSpec, TensorMeta
+
+__all__ = ["dispatch"]
+
+_DECISIONS: dict = _caches.register({})
+_NUMBER_TYPES = (int, float, bool, complex)
+
+
+class UnsupportedOpError(NotImplementedError):
+    pass
+
+
+# ------------------------------------------------------------------ cache key
+def _key(a, dts: list):
+    """Hashable stand-in for one argument; collects DTensors into ``dts`` (flattened order)."""
+    t = type(a)
+    if t is DTensor:
+        dts.append(a)
+        return a._spec
+    if t in _NUMBER_TYPES:
+        return (t, a)  # 1, 1.0 and True promote differently: keep the type in the key
+    if t is list or t is tuple:
+        return (t, tuple([_key(x, dts) for x in a]))
+    if isinstance(a, DTensor):
+        dts.append(a)
+        return a._spec
+    if isinstance(a, torch.Tensor):
+        if a.ndim == 0:  # a 0-d plain tensor acts as a replicated scalar; its value is not in the key
+            return ("0-d", a.dtype, a.device)
+        return ("plain", tuple(a.shape))
+    return a
+
+
+def dispatch(op, args, kwargs):
+    dts: list = []
+    key = (op, tuple([_key(a, dts) for a in args]),
+           tuple([(k, _key(v, dts)) for k, v in kwargs.items()]) if kwargs else None)
+    decision = _DECISIONS.get(key)
+    if decision is None:
+        decision = _decide(op, args, kwargs or {}, dts)
+        _DECISIONS[key] = decision
+        return decision.run(args, kwargs or {}, dts, validate=True)
+    return decision.run(args, kwargs or {}, dts)
+
+
+# ------------------------------------------------------------------ decisions
+class _Decision:
+    """What to do for one (op, input specs, non-tensor args) combination."""
+
+    __slots__ = ("op", "targets", "out_specs", "out_kind", "local_fn", "flat_positions",
+                 "mutated", "needs_redistribute")
+
+    def run(self, args, kwargs, dts, validate=False):
+        targets = self.targets
+        if self.needs_redistribute:
+            locals_ = [dt._local_tensor if tgt is None else _redistribute_local(dt, tgt)
+                       for dt, tgt in zip(dts, targets)]
+        else:
+            locals_ = [dt._local_tensor for dt in dts]
+        positions = self.flat_positions
+        if positions is not None:
+            largs = list(args)
+            for pos, loc in zip(positions, locals_):
+                largs[pos] = loc
+            out = self.local_fn(*largs, **kwargs)
+        else:
+            it = iter(locals_)
+            swap = lambda a: next(it) if isinstance(a, DTensor) else a  # noqa: E731
+            largs = tree_map(swap, list(args))
+            lkwargs = tree_map(swap, kwargs)
+            out = self.local_fn(*largs, **lkwargs)
+        if validate:
+            _validate_outputs(self, out)
+        return self._wrap(out, dts)
+
+    def _wrap(self, out, dts):
+        kind = self.out_kind
+        if kind == "tensor":
+            if self.mutated is not None:
+                return dts[self.mutated]
+            return DTensor(out, self.out_specs)
+        if kind == "seq":
+            res = [o if s is None else DTensor(o, s) for o, s in zip(out, self.out_specs)]
+            return tuple(res) if isinstance(out, tuple) else res
+        return out  # non-tensor result (e.g. a Python scalar from item())
+
+
+def _validate_outputs(decision, out):
+    """First run of a decision: the local results must be the pieces the output specs promise."""
+    if decision.out_kind == "tensor":
+        pairs = [(out, decision.out_specs)]
+    elif decision.out_kind == "seq":
+        pairs = list(zip(out, decision.out_specs))
+    else:
+        return
+    for o, spec in pairs:
+        if spec is None or not isinstance(o, torch.Tensor):
+            continue
+        if tuple(o.shape) != spec.local_shape():
+            raise RuntimeError(
+                f"sharding rule for {decision.op} produced a local result of shape "
+                f"{tuple(o.shape)} but its output spec {spec} expects {spec.local_shape()} on "
+                "this rank (a bug in the rule)")
+
+
+def _mesh_of(op, dts):
+    mesh = dts[0]._spec.mesh
+    for dt in dts[1:]:
+        if dt._spec.mesh != mesh:
+            raise ValueError(f"{op}: DTensor inputs live on different meshes ({mesh} and "
+                             f"{dt._spec.mesh}); redistribute them onto one mesh first")
+    return mesh
+
+
+def _spec_args(op, args, kwargs):
+    """Args with DTensors replaced by their specs; plain non-scalar tensors are an error."""
+    def conv(a):
+        if isinstance(a, DTensor):
+            return a._spec
+        if isinstance(a, torch.Tensor) and a.ndim > 0:
+            raise TypeError(
+                f"{op}: got a mix of DTensor and plain torch.Tensor (shape {tuple(a.shape)}) "
+                "arguments. Convert the plain tensor with distribute_tensor(t, mesh, placements) "
+                "or DTensor.from_local(t, mesh, placements) first (only Python scalars and 0-d "
+                "tensors are treated as replicated automatically)")
+        return a
+    return tree_map(conv, list(args)), tree_map(conv, dict(kwargs))
+
+
+def _meta_outputs(op, args, kwargs):
+    def to_meta(a):
+        if isinstance(a, DTensor):
+            s = a._spec
+            return torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device="meta")
+        if isinstance(a, torch.Tensor):
+            return a.to("meta")
+        return a
+    try:
+        return op(*tree_map(to_meta, list(args)), **tree_map(to_meta, dict(kwargs)))
+    except Exception as e:  # noqa: BLE001 - surface the op and shapes, keep the cause
+        shapes = [tuple(a.shape) for a in args if isinstance(a, torch.Tensor)]
+        raise RuntimeError(f"{op}: could not compute the output shape for global inputs "
+                           f"{shapes}: {e}") from e
+
+
+def _mutated_arg(op, args, kwargs, dts):
+    """Index (in dts) of the DTensor an in-place / out= op writes and returns, else None."""
+    schema = op._schema
+    if not schema.is_mutable or not schema.returns or schema.returns[0].alias_info is None:
+        return None
+    alias = schema.returns[0].alias_info
+    for k, arg in enumerate(schema.arguments):
+        if arg.alias_info is not None and arg.alias_info.is_write and \
+                set(arg.alias_info.before_set) == set(alias.before_set):
+            value = args[k] if k < len(args) else kwargs.get(arg.name)
+            for j, dt in enumerate(dts):
+                if dt is value:
+                    return j
+    return None
+
+
+def _no_rule_error(op, dts):
+    placements = [list(dt.placements) for dt in dts]
+    return UnsupportedOpError(
+        f"dtensor_lite has no sharding rule for {op} (DTensor inputs with placements "
+        f"{placements}). Options: redistribute the inputs to Replicate() and call "
+        "to_local(); wrap the code in dtensor_lite.local_map; or register a rule with "
+        "@dtensor_lite.register_sharding(" + str(op).replace(".default", "") + ")")
+
+
+def _decide(op, args, kwargs, dts) -> _Decision:
+    if not dts:  # only reachable through odd subclass paths: nothing distributed here
+        raise RuntimeError(f"{op}: dispatched to DTensor without DTensor arguments")
+    mesh = _mesh_of(op, dts)
+    rule = _registry.get_rule(op)
+    if rule is None:
+        raise _no_rule_error(op, dts)
+    spec_args, spec_kwargs = _spec_args(op, args, kwargs)
+    inputs = [dt._spec for dt in dts]
+    call = OpCall(op, spec_args, spec_kwargs, inputs, mesh)
+    mutated = _mutated_arg(op, args, kwargs, dts)
+    result = rule(call)
+    if isinstance(result, FullStrategy):
+        full = result
+    else:
+        full = _expand(call, list(result), mutated)
+    meta_out = _meta_outputs(op, args, kwargs)
+
+    d = _Decision()
+    d.op = op
+    d.mutated = mutated
+    d.local_fn = full.local_fn or op
+    targets = []
+    for j, spec in enumerate(inputs):
+        want = full.ins[j]
+        order = full.in_orders[j] if full.in_orders is not None else None
+        if want is None:
+            targets.append(None)
+            continue
+        tgt = DTensorSpec(mesh, want, spec.tensor_meta, order if order is not None else (
+            spec.shard_order if tuple(want) == spec.placements else None))
+        targets.append(None if tgt == spec else tgt)
+    if mutated is not None and targets[mutated] is not None:
+        raise RuntimeError(
+            f"{op} writes into a DTensor with placements {list(dts[mutated].placements)}, but the "
+            f"result must be {list(targets[mutated].placements)}; in-place ops cannot change "
+            "placements. Redistribute first or use the out-of-place op")
+    d.targets = tuple(targets)
+    d.needs_redistribute = any(t is not None for t in targets)
+    outs = full.outs
+    orders = full.out_orders or [None] * len(outs)
+    if isinstance(meta_out, torch.Tensor):
+        d.out_kind = "tensor"
+        d.out_specs = _out_spec(mesh, outs[0], meta_out, orders[0])
+    elif isinstance(meta_out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in meta_out):
+        d.out_kind = "seq"
+        d.out_specs = tuple(
+            _out_spec(mesh, outs[k] if k < len(outs) else None, o, orders[k] if k < len(orders) else None)
+            if isinstance(o, torch.Tensor) else None for k, o in enumerate(meta_out))
+    else:
+        d.out_kind = "other"
+        d.out_specs = None
+    flat = not kwargs or not any(isinstance(v, (DTensor, list, tuple)) for v in kwargs.values())
+    positions = []
+    for k, a in enumerate(args):
+        if isinstance(a, DTensor):
+            positions.append(k)
+        elif isinstance(a, (list, tuple)) and any(isinstance(x, DTensor) for x in a):
+            flat = False
+    d.flat_positions = tuple(positions) if flat else None
+    return d
+
+
+def _out_spec(mesh, placements, meta: torch.Tensor, order):
+    if placements is None:
+        raise RuntimeError(f"sharding rule gave no placement for a tensor output of shape "
+                           f"{tuple(meta.shape)} (a bug in the rule)")
+    if order is not None:  # orders derived from placements may stop short of the output's rank
+        order = tuple(order) + ((),) * (meta.ndim - len(order))
+    return DTensorSpec(mesh, placements, TensorMeta(meta.shape, tuple(meta.stride()), meta.dtype),
+                       order)
+
+
+# ------------------------------------------------------------------ per-mesh-dim expansion
+def _estimate(spec: DTensorSpec, i: int, p, q) -> float:
+    """Rough bytes to move ``spec`` from p to q on mesh dim i (exact plans come later)."""
+    n = spec.mesh.shape[i]
+    local = math.prod(spec.local_shape_and_offset((0,) * spec.mesh.ndim)[0]) * spec.dtype.itemsize
+    if p.is_replicate():
+        return 0.0
+    if p.is_shard():
+        if q.is_replicate():
+            return (n - 1) * local
+        if q.is_shard():
+            return (n - 1) / n * local
+        return 0.0
+    if q.is_shard():
+        return (n - 1) / n * local
+    if q.is_partial() and {p.reduce_op, q.reduce_op} <= {"sum", "avg"}:
+        return 0.0
+    return 2 * (n - 1) / n * local
+
+
+def _normalize_strategy(s, n_inputs):
+    outs, ins = s
+    if not isinstance(outs, (list, tuple)):
+        outs = (outs,)
+    ins = tuple(ins)
+    if len(ins) != n_inputs:
+        raise RuntimeError(f"sharding strategy {s} lists {len(ins)} input placements for "
+                           f"{n_inputs} DTensor inputs (a bug in the rule)")
+    return tuple(outs), ins
+
+
+def _expand(call: OpCall, strategies, mutated) -> FullStrategy:
+    inputs = call.inputs
+    strategies = [_normalize_strategy(s, len(inputs)) for s in strategies]
+    mesh_ndim = call.mesh.ndim
+    chosen = []
+    for i in range(mesh_ndim):
+        best = None
+        for k, (outs, ins) in enumerate(strategies):
+            if mutated is not None and ins[mutated] is not None and \
+                    ins[mutated] != inputs[mutated].placements[i]:
+                continue  # an in-place op cannot move its destination
+            cost, exact = 0.0, True
+            for spec, q in zip(inputs, ins):
+                if q is None:
+                    continue
+                p = spec.placements[i]
+                if p != q:
+                    exact = False
+                    cost += _estimate(spec, i, p, q)
+            rank = (cost, not exact, k)
+            if best is None or rank < best[0]:
+                best = (rank, outs, ins)
+        if best is None:
+            raise RuntimeError(
+                f"{call.op}: no sharding strategy keeps the in-place destination's placement "
+                f"{list(inputs[mutated].placements)}; use the out-of-place op")
+        chosen.append(best)
+    n_out = max(len(c[1]) for c in chosen)
+    outs = []
+    for k in range(n_out):
+        pl = [c[1][k] if k < len(c[1]) else None for c in chosen]
+        outs.append(None if any(p is None for p in pl) else tuple(pl))
+    ins = []
+    for j in range(len(inputs)):
+        pl = [c[2][j] for c in chosen]
+        ins.append(None if all(p is None for p in pl) else tuple(
+            inputs[j].placements[i] if p is None else p for i, p in enumerate(pl)))
+    in_orders, out_orders = _transfer_orders(inputs, ins, outs)
+    return FullStrategy(outs, ins, None, out_orders, in_orders)
+
+
+def _transfer_orders(inputs, ins, outs):
+    """Carry a non-default shard order (e.g. FSDP over TP) from an input that keeps its
+    placements to the other inputs and outputs: mesh dims splitting one tensor dim keep the same
+    relative order everywhere, so the local pieces still line up."""
+    ranking = None
+    for spec, want in zip(inputs, ins):
+        if not spec.has_default_order and (want is None or tuple(want) == spec.placements):
+            ranking = {}
+            for order in spec.shard_order:
+                for pos, i in enumerate(order):
+                    ranking[i] = pos
+            break
+    if ranking is None:
+        return None, None
+
+    def order_for(placements):
+        if placements is None:
+            return None
+        per_dim: dict = {}
+        for i, p in enumerate(placements):
+            if p.is_shard():
+                per_dim.setdefault(p.dim, []).append(i)
+        ndim_guess = max(per_dim, default=-1) + 1
+        return tuple(tuple(sorted(per_dim.get(d, []), key=lambda i: (ranking.get(i, i), i)))
+                     for d in range(ndim_guess))
+
+    def fit(order, ndim):
+        if order is None:
+            return None
+        return tuple(order) + ((),) * (ndim - len(order))
+
+    in_orders = [fit(order_for(w), spec.ndim) if w is not None else None
+                 for spec, w in zip(inputs, ins)]
+    out_orders = [order_for(o) for o in outs]
+    return in_orders, out_orders

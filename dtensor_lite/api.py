@@ -1,0 +1,193 @@
+"""Creating DTensors: distribute_tensor, distribute_module and the factory functions."""
+from __future__ import annotations
+
+import math
+from typing import Callable
+
+import torch
+import torch.nn as nn
+
+from . import collectives as C
+from .device_mesh import DeviceMesh
+from .dtensor import DTensor, _contiguous_stride, _default_mesh
+from .spec import DTensorSpec, TensorMeta, local_piece, normalize_placements
+
+__all__ = ["distribute_tensor", "distribute_module", "zeros", "ones", "empty", "full", "rand",
+           "randn"]
+
+
+def _partialize(local: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
+    """Turn a replicated piece into the piece of the same *global* value under spec's Partials:
+    for sum, only coordinate 0 of the mesh dim keeps the value (avg/max/min: everyone does)."""
+    coord = spec.mesh.get_coordinate()
+    for i, p in enumerate(spec.placements):
+        if p.is_partial("sum") and coord[i] != 0:
+            return torch.zeros_like(local)
+    return local
+
+
+def _flat_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """A 1-D view over every rank of ``mesh`` (mesh order), without naming a new dim."""
+    if mesh.ndim == 1:
+        return mesh
+    dims = tuple(d for ds in mesh._root_dims for d in ds)
+    return DeviceMesh(mesh.device_type, None, _root=mesh._root, _root_dims=(dims,))
+
+
+def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = None,
+                      placements=None, *, src_data_rank: int | None = 0) -> DTensor:
+    """Split a global ``tensor`` over ``device_mesh`` by ``placements``.
+
+    With ``src_data_rank`` (default 0) the values of that rank are scattered to every rank (one
+    scatter of padded pieces); with ``None`` each rank slices its own copy, with no communication.
+    The result is a leaf that requires grad if ``tensor`` does.
+
+    Example::
+
+        >>> mesh = init_device_mesh("cpu", (2, 2))
+        >>> w = distribute_tensor(torch.randn(8, 6), mesh, [Shard(0), Shard(1)])
+        >>> w.to_local().shape                  # torch.Size([4, 3])
+    """
+    if isinstance(tensor, DTensor):
+        raise ValueError("distribute_tensor got a DTensor; use .redistribute(mesh, placements) "
+                         "to change its placements")
+    mesh = device_mesh if device_mesh is not None else _default_mesh(tensor)
+    placements = normalize_placements(placements, mesh, tensor.ndim)
+    if tensor.device.type != mesh.device_type and tensor.device.type != "meta":
+        tensor = tensor.to(mesh.device_type)
+    spec = DTensorSpec(mesh, placements, TensorMeta(tensor.shape, _contiguous_stride(tensor.shape),
+                                                    tensor.dtype))
+    data = tensor.detach()
+    if src_data_rank is None or tensor.device.type == "meta" or mesh.size() == 1:
+        local = local_piece(data, spec).contiguous().clone()
+    else:
+        local = _scatter_pieces(data, spec, src_data_rank)
+    local = _partialize(local, spec)
+    return DTensor(local.requires_grad_(False), spec, requires_grad=tensor.requires_grad)
+
+
+def _scatter_pieces(data: torch.Tensor, spec: DTensorSpec, src_rank: int) -> torch.Tensor:
+    mesh = spec.mesh
+    flat = _flat_mesh(mesh)
+    ranks = flat.mesh.tolist()
+    if src_rank not in ranks:
+        raise ValueError(f"src_data_rank={src_rank} is not a rank of {mesh}")
+    src_coord = ranks.index(src_rank)
+    coords = [tuple(int(c) for c in (mesh.mesh == r).nonzero()[0]) for r in ranks]
+    sizes = [math.prod(spec.local_shape_and_offset(c)[0]) for c in coords]
+    chunk = max(sizes)
+    chunks = None
+    if flat.get_rank() == src_rank:
+        chunks = []
+        for c, size in zip(coords, sizes):
+            piece = local_piece(data, spec, c).reshape(-1)
+            chunks.append(torch.cat([piece, piece.new_zeros(chunk - size)]) if size < chunk else piece)
+    out = data.new_empty(chunk)
+    C.scatter(chunks, out, flat, 0, src_coord)
+    my_shape = spec.local_shape()
+    return out[: math.prod(my_shape)].reshape(my_shape)
+
+
+def distribute_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
+                      partition_fn: Callable | None = None, input_fn: Callable | None = None,
+                      output_fn: Callable | None = None) -> nn.Module:
+    """Turn a module's parameters and buffers into DTensors and hook its inputs/outputs.
+
+    ``partition_fn(name, submodule, mesh)`` distributes each submodule's parameters as it likes;
+    whatever it leaves as a plain tensor is replicated. ``input_fn(module, inputs, mesh)`` and
+    ``output_fn(module, outputs, mesh)`` run before / after forward (e.g. to shard inputs).
+
+    Example::
+
+        >>> def shard_linear(name, mod, mesh):
+        ...     if isinstance(mod, nn.Linear):
+        ...         mod.weight = nn.Parameter(distribute_tensor(mod.weight, mesh, [Shard(0)]))
+        >>> distribute_module(model, mesh, shard_linear)
+    """
+    mesh = device_mesh
+    if mesh is None:
+        first = next(iter(module.parameters()), torch.empty(0))
+        mesh = _default_mesh(first)
+    if getattr(module, "_dtensor_lite_distributed", False):
+        raise RuntimeError(f"distribute_module was already applied to {type(module).__name__}; "
+                           "apply it once per module")
+    for name, sub in module.named_modules():
+        if partition_fn is not None:
+            partition_fn(name, sub, mesh)
+        _replicate_leftovers(sub, mesh)
+    if input_fn is not None:
+        module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, mesh))
+    if output_fn is not None:
+        module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, mesh))
+    module._dtensor_lite_distributed = True
+    return module
+
+
+def _replicate_leftovers(sub: nn.Module, mesh: DeviceMesh):
+    replicate = normalize_placements(None, mesh, None)
+    for key, param in list(sub._parameters.items()):
+        if param is not None and not isinstance(param, DTensor):
+            sub.register_parameter(key, nn.Parameter(
+                distribute_tensor(param.data, mesh, replicate), requires_grad=param.requires_grad))
+    for key, buf in list(sub._buffers.items()):
+        if buf is not None and not isinstance(buf, DTensor):
+            sub._buffers[key] = distribute_tensor(buf, mesh, replicate)
+
+
+# ----------------------------------------------------------------------------- factories
+def _factory(fill: Callable, size, *, dtype, layout, requires_grad, device_mesh, placements,
+             global_values: bool = False) -> DTensor:
+    if len(size) == 1 and isinstance(size[0], (list, tuple, torch.Size)):
+        size = tuple(size[0])
+    shape = torch.Size(size)
+    dtype = dtype or torch.get_default_dtype()
+    mesh = device_mesh if device_mesh is not None else _default_mesh(torch.empty(0))
+    placements = normalize_placements(placements, mesh, len(shape))
+    spec = DTensorSpec(mesh, placements, TensorMeta(shape, _contiguous_stride(shape), dtype))
+    device = torch.device(mesh.device_type, torch.cuda.current_device()) \
+        if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+    if global_values:
+        # random values must not depend on the mesh: draw the global tensor, keep this piece
+        local = local_piece(fill(shape, dtype=dtype, device=device), spec).contiguous().clone()
+    else:
+        local = fill(spec.local_shape(), dtype=dtype, device=device)
+    local = _partialize(local, spec)
+    return DTensor(local, spec, requires_grad=requires_grad)
+
+
+def _make(fill, global_values=False, doc=""):
+    def factory(*size, requires_grad: bool = False, dtype: torch.dtype | None = None,
+                layout: torch.layout = torch.strided, device_mesh: DeviceMesh | None = None,
+                placements=None) -> DTensor:
+        return _factory(fill, size, dtype=dtype, layout=layout, requires_grad=requires_grad,
+                        device_mesh=device_mesh, placements=placements,
+                        global_values=global_values)
+    factory.__doc__ = doc
+    return factory
+
+
+zeros = _make(lambda s, **kw: torch.zeros(s, **kw),
+              doc="A DTensor of zeros. ``zeros(4, 8, device_mesh=mesh, placements=[Shard(0)])``")
+ones = _make(lambda s, **kw: torch.ones(s, **kw),
+             doc="A DTensor of ones. ``ones(4, 8, device_mesh=mesh, placements=[Shard(0)])``")
+empty = _make(lambda s, **kw: torch.empty(s, **kw),
+              doc="An uninitialised DTensor. ``empty(4, 8, device_mesh=mesh)``")
+rand = _make(lambda s, **kw: torch.rand(s, **kw), global_values=True,
+             doc="Uniform [0, 1) values equal to ``torch.rand`` of the global shape with the same "
+                 "seed on every rank (drawn globally, then sliced). ``rand(4, 8, device_mesh=mesh)``")
+randn = _make(lambda s, **kw: torch.randn(s, **kw), global_values=True,
+              doc="Normal values equal to ``torch.randn`` of the global shape with the same seed "
+                  "(drawn globally, then sliced). ``randn(4, 8, device_mesh=mesh)``")
+
+
+def full(size, fill_value, *, requires_grad: bool = False, dtype: torch.dtype | None = None,
+         layout: torch.layout = torch.strided, device_mesh: DeviceMesh | None = None,
+         placements=None) -> DTensor:
+    """A DTensor filled with ``fill_value``. ``full((4, 8), 3.0, device_mesh=mesh)``"""
+    if dtype is None and isinstance(fill_value, bool):
+        dtype = torch.bool
+    elif dtype is None and isinstance(fill_value, int):
+        dtype = torch.int64
+    return _factory(lambda s, **kw: torch.full(s, fill_value, **kw), (size,), dtype=dtype,
+                    layout=layout, requires_grad=requires_grad, device_mesh=device_mesh,
+                    placements=placements)

@@ -1,0 +1,194 @@
+"""The one module through which every byte crosses ranks.
+
+Each function takes a ``DeviceMesh`` and a mesh dim, talks to that dim's process group through
+``torch.distributed`` (gloo on CPU, nccl on CUDA) and reports the call to CommDebugMode. Inputs
+are equal-sized chunks: callers pad uneven shards (``torch.chunk`` layout makes pad-and-trim exact).
+
+Group ranks follow sorted global ranks (``new_group`` sorts them) while meshes may list ranks in
+any order, so results are reordered into mesh-coordinate order where the two differ.
+
+Cost model (bytes sent per rank; ``n`` = group size, ``c`` = one padded chunk in bytes):
+  all_gather (n-1)*c · reduce_scatter (n-1)*c · all_reduce 2*(n-1)*ceil(numel/n)*itemsize ·
+  all_to_all (n-1)*c · broadcast numel*itemsize · scatter (n-1)*c (the source's share).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .debug import _ACTIVE, _record
+
+__all__ = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "scatter",
+           "all_reduce_cost", "flat_all_gather", "flat_reduce_scatter"]
+
+# torch 2.13 renamed the *_into_tensor / *_tensor collectives to *_single
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+_REDUCE = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
+           "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+
+
+def all_reduce_cost(numel: int, itemsize: int, n: int) -> int:
+    return 2 * (n - 1) * (-(-numel // n)) * itemsize if n > 1 else 0
+
+
+def _wire(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous tensor of a dtype every backend can move (bool travels as uint8)."""
+    if t.dtype == torch.bool:
+        t = t.to(torch.uint8)
+    elif t.is_complex():
+        t = torch.view_as_real(t)
+    return t.contiguous()
+
+
+def _unwire(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    if like.dtype == torch.bool:
+        return t != 0
+    if like.is_complex():
+        return torch.view_as_complex(t)
+    return t
+
+
+def _report(kind: str, nbytes: int, n: int):
+    if _ACTIVE:
+        _record(kind, nbytes, n)
+
+
+def _chunks_to_coord_order(out: torch.Tensor, dg) -> torch.Tensor:
+    """``out`` holds n equal chunks along dim 0 in group-rank order; return coordinate order."""
+    if dg.is_sorted:
+        return out
+    chunks = out.chunk(dg.size)
+    return torch.cat([chunks[g] for g in dg.group_rank_of_coord])
+
+
+def _chunks_to_group_order(inp: torch.Tensor, dg) -> torch.Tensor:
+    if dg.is_sorted:
+        return inp
+    chunks = inp.chunk(dg.size)
+    coord_of_group = [0] * dg.size
+    for coord, g in enumerate(dg.group_rank_of_coord):
+        coord_of_group[g] = coord
+    return torch.cat([chunks[c] for c in coord_of_group])
+
+
+def all_gather(tensor: torch.Tensor, mesh, mesh_dim: int, gather_dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's equal-shaped ``tensor`` along ``gather_dim`` in mesh order."""
+    dg = mesh._dim_group(mesh_dim)
+    n = dg.size
+    if n == 1:
+        return tensor
+    x = _wire(tensor.movedim(gather_dim, 0) if gather_dim else tensor)
+    out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
+    _all_gather_single(out, x, group=dg.group)
+    _report("all_gather", (n - 1) * x.numel() * x.element_size(), n)
+    out = _unwire(_chunks_to_coord_order(out, dg), tensor)
+    return out.movedim(0, gather_dim) if gather_dim else out
+
+
+def reduce_scatter(tensor: torch.Tensor, mesh, mesh_dim: int, reduce_op: str = "sum",
+                   scatter_dim: int = 0) -> torch.Tensor:
+    """Reduce ``tensor`` over the group; keep chunk ``coordinate`` of ``scatter_dim`` (size % n == 0)."""
+    dg = mesh._dim_group(mesh_dim)
+    n = dg.size
+    if n == 1:
+        return _finish_avg(tensor.clone(), reduce_op, n)
+    x = _wire(tensor.movedim(scatter_dim, 0) if scatter_dim else tensor)
+    x = _chunks_to_group_order(x, dg).contiguous()
+    out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
+    _reduce_scatter_single(out, x, op=_REDUCE[reduce_op], group=dg.group)
+    _report("reduce_scatter", (n - 1) * out.numel() * out.element_size(), n)
+    out = _finish_avg(_unwire(out, tensor), reduce_op, n)
+    return out.movedim(0, scatter_dim) if scatter_dim else out
+
+
+def all_reduce(tensor: torch.Tensor, mesh, mesh_dim: int, reduce_op: str = "sum") -> torch.Tensor:
+    """Out-of-place all-reduce over one mesh dim."""
+    dg = mesh._dim_group(mesh_dim)
+    n = dg.size
+    if n == 1:
+        return _finish_avg(tensor.clone(), reduce_op, n)
+    x = _wire(tensor).clone()
+    dist.all_reduce(x, op=_REDUCE[reduce_op], group=dg.group)
+    _report("all_reduce", all_reduce_cost(x.numel(), x.element_size(), n), n)
+    return _finish_avg(_unwire(x, tensor), reduce_op, n)
+
+
+def _finish_avg(t: torch.Tensor, reduce_op: str, n: int) -> torch.Tensor:
+    if reduce_op != "avg" or n == 1:
+        return t
+    return t.div_(n) if t.is_floating_point() or t.is_complex() else t.div_(n, rounding_mode="floor")
+
+
+def all_to_all(tensor: torch.Tensor, mesh, mesh_dim: int, split_dim: int, cat_dim: int) -> torch.Tensor:
+    """Split ``split_dim`` into n equal pieces, send piece k to coordinate k, concatenate the
+    received pieces along ``cat_dim`` in mesh order."""
+    dg = mesh._dim_group(mesh_dim)
+    n = dg.size
+    if n == 1:
+        return tensor
+    x = _wire(tensor.movedim(split_dim, 0))
+    x = _chunks_to_group_order(x, dg).contiguous()
+    out = torch.empty_like(x)
+    dist.all_to_all_single(out, x, group=dg.group)
+    _report("all_to_all", (n - 1) * (x.numel() // n) * x.element_size(), n)
+    out = _unwire(_chunks_to_coord_order(out, dg), tensor).movedim(0, split_dim)
+    # received pieces are stacked along split_dim; lay them side by side along cat_dim instead
+    pieces = out.chunk(n, dim=split_dim)
+    return torch.cat(pieces, dim=cat_dim)
+
+
+def broadcast(tensor: torch.Tensor, mesh, mesh_dim: int, src_coord: int = 0) -> torch.Tensor:
+    """Every rank of the mesh dim receives ``tensor`` from the rank at ``src_coord`` (in place)."""
+    dg = mesh._dim_group(mesh_dim)
+    n = dg.size
+    if n == 1:
+        return tensor
+    x = _wire(tensor)
+    src = dg.ranks[src_coord]
+    dist.broadcast(x, src=src, group=dg.group)
+    _report("broadcast", x.numel() * x.element_size(), n)
+    out = _unwire(x, tensor)
+    if out is not tensor:
+        tensor.copy_(out)
+    return tensor
+
+
+def scatter(chunks: list[torch.Tensor] | None, out: torch.Tensor, mesh, mesh_dim: int,
+            src_coord: int = 0) -> torch.Tensor:
+    """Rank ``src_coord`` sends ``chunks[k]`` (equal shapes) to coordinate k; others pass None."""
+    dg = mesh._dim_group(mesh_dim)
+    n = dg.size
+    if n == 1:
+        out.copy_(chunks[0])
+        return out
+    x = _wire(out)
+    src = dg.ranks[src_coord]
+    scatter_list = None
+    if dg.coordinate == src_coord:
+        wired = [_wire(c) for c in chunks]
+        scatter_list = [wired[dg.ranks.index(r)] for r in sorted(dg.ranks)]
+    dist.scatter(x, scatter_list, src=src, group=dg.group)
+    _report("scatter", (n - 1) * x.numel() * x.element_size(), n)
+    res = _unwire(x, out)
+    if res is not out:
+        out.copy_(res)
+    return out
+
+
+def flat_all_gather(out: torch.Tensor, inp: torch.Tensor, mesh, mesh_dim: int, async_op=False):
+    """FSDP's batched all-gather: 1-D ``inp`` into 1-D ``out`` of n*len(inp), in mesh order
+    (requires a sorted mesh row; FSDP meshes always are)."""
+    dg = mesh._dim_group(mesh_dim)
+    _report("all_gather", (dg.size - 1) * inp.numel() * inp.element_size(), dg.size)
+    return _all_gather_single(out, inp, group=dg.group, async_op=async_op)
+
+
+def flat_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, mesh, mesh_dim: int,
+                        reduce_op: str = "sum", async_op=False):
+    """FSDP's batched reduce-scatter of a flat gradient buffer (sum; callers pre/post-divide)."""
+    dg = mesh._dim_group(mesh_dim)
+    _report("reduce_scatter", (dg.size - 1) * out.numel() * out.element_size(), dg.size)
+    return _reduce_scatter_single(out, inp, op=_REDUCE[reduce_op], group=dg.group,
+                                      async_op=async_op)

@@ -1,0 +1,374 @@
+"""DeviceMesh: an N-D array of global ranks with one process group per mesh dimension.
+
+Groups are created once per distinct "row set" (the 1-D rows of ranks along a mesh dimension) and
+shared by every mesh, slice and flattened view that uses the same rows. The cache is tied to the
+default process group that was live when it was filled: after ``destroy_process_group()`` and a new
+``init_process_group()`` it is dropped, so no stale group is ever reused (meshes built before the
+destroy raise a clear error instead of hanging on a dead group).
+"""
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+from . import _caches
+
+__all__ = ["DeviceMesh", "init_device_mesh"]
+
+
+class _DimGroup:
+    """The process group of one mesh dimension, seen from this rank.
+
+    ``ranks`` are the global ranks of this rank's row, in mesh-coordinate order. torch's
+    ``new_group`` numbers group members in sorted global-rank order, so when a row is not sorted
+    the collectives layer reorders chunks with ``coord_of_group_rank``.
+    """
+
+    __slots__ = ("group", "ranks", "size", "coordinate", "group_rank_of_coord", "is_sorted")
+
+    def __init__(self, group, ranks: tuple[int, ...], my_rank: int):
+        self.group = group
+        self.ranks = ranks
+        self.size = len(ranks)
+        self.coordinate = ranks.index(my_rank)
+        sorted_ranks = sorted(ranks)
+        self.is_sorted = list(ranks) == sorted_ranks
+        # group rank g holds the rank sorted_ranks[g]; its mesh coordinate is ranks.index(...)
+        self.group_rank_of_coord = tuple(sorted_ranks.index(r) for r in ranks)
+
+
+class _GroupCache:
+    """Process groups keyed by their full row set; dropped whenever the default group changes."""
+
+    def __init__(self):
+        self._owner = None  # the default ProcessGroup the cached groups belong to (strong ref)
+        self._groups: dict[tuple, object] = {}
+
+    def _check_owner(self):
+        default = dist.distributed_c10d._get_default_group()
+        if default is not self._owner:
+            self._owner = default
+            self._groups = {}
+            _caches.clear_all()  # decisions cached for the old groups must not outlive them
+        return default
+
+    def owner(self):
+        return self._check_owner()
+
+    def group_for_rows(self, rows: tuple[tuple[int, ...], ...], world_size: int):
+        """Return this rank's group among ``rows``; every rank must call this with the same rows."""
+        default = self._check_owner()
+        if rows in self._groups:
+            return self._groups[rows]
+        if len(rows) == 1 and len(rows[0]) == world_size:
+            group = default  # the whole world: no new group needed
+        else:
+            my_rank = dist.get_rank()
+            group = None
+            for row in rows:  # new_group is collective: every rank creates every row's group
+                g = dist.new_group(sorted(row))
+                if my_rank in row:
+                    group = g
+        self._groups[rows] = group
+        return group
+
+
+_GROUPS = _GroupCache()
+
+
+def _require_initialized(what: str):
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            f"{what} needs torch.distributed to be initialised: call "
+            "torch.distributed.init_process_group('gloo') (CPU) or ('nccl') (CUDA) first, "
+            "or launch with torchrun.")
+
+
+class DeviceMesh:
+    """An N-D array of global ranks, one process group per dimension.
+
+    Example::
+
+        >>> mesh = DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))
+        >>> mesh["tp"].size(), mesh.get_coordinate()
+        (2, [0, 1])        # on rank 1
+    """
+
+    def __init__(self, device_type: str, mesh, *, mesh_dim_names: Sequence[str] | None = None,
+                 _root: "DeviceMesh | None" = None, _root_dims: tuple | None = None):
+        _require_initialized("DeviceMesh")
+        if _root is None:
+            mesh_tensor = _validate_mesh(mesh)
+            self._root = self
+            self._root_mesh = mesh_tensor
+            self._root_dims = tuple((d,) for d in range(mesh_tensor.ndim))
+            self._flat_names: dict[str, tuple[int, ...]] = {}
+        else:
+            self._root = _root
+            self._root_mesh = _root._root_mesh
+            self._root_dims = _root_dims
+        self.device_type = _validate_device_type(device_type)
+        self._rank = dist.get_rank()
+        self._world_size = dist.get_world_size()
+        self._pg_owner = _GROUPS.owner()
+        root_mesh = self._root_mesh
+        names = _validate_names(mesh_dim_names, len(self._root_dims))
+        self.mesh_dim_names = names
+        self.mesh = self._compute_mesh_tensor()
+        self._shape = tuple(self.mesh.shape)
+        self.ndim = len(self._shape)
+        if _root is None:
+            in_mesh = (root_mesh == self._rank).nonzero()
+            if in_mesh.numel() == 0:
+                raise ValueError(
+                    f"rank {self._rank} is not in the DeviceMesh {root_mesh.tolist()}: every rank that "
+                    "builds a mesh must be part of it (build one mesh over all "
+                    f"{self._world_size} ranks and slice it by name instead)")
+        self._coordinate = self._compute_coordinate()
+        self._dim_groups = [self._make_dim_group(d) for d in range(self.ndim)]
+        self._hash = hash((self.device_type, tuple(self.mesh.flatten().tolist()), self._shape, names))
+
+    # ----------------------------------------------------------------- construction helpers
+    def _root_coordinate(self) -> tuple[int, ...]:
+        idx = (self._root_mesh == self._rank).nonzero()
+        return tuple(int(i) for i in idx[0])
+
+    def _permuted_root(self):
+        """Root mesh permuted so the dims of this mesh come last, in order, then flattened."""
+        mine = [d for dims in self._root_dims for d in dims]
+        others = [d for d in range(self._root_mesh.ndim) if d not in mine]
+        return self._root_mesh.permute(*others, *mine), others, mine
+
+    def _compute_mesh_tensor(self) -> torch.Tensor:
+        if self._root is self:
+            return self._root_mesh
+        permuted, others, _ = self._permuted_root()
+        coord = self._root_coordinate()
+        sub = permuted[tuple(coord[d] for d in others)] if others else permuted
+        shape = [math.prod(self._root_mesh.shape[d] for d in dims) for dims in self._root_dims]
+        return sub.reshape(shape)
+
+    def _compute_coordinate(self) -> list[int]:
+        idx = (self.mesh == self._rank).nonzero()
+        return [int(i) for i in idx[0]]
+
+    def _make_dim_group(self, dim: int) -> _DimGroup:
+        root_dims = self._root_dims[dim]
+        others = [d for d in range(self._root_mesh.ndim) if d not in root_dims]
+        rows_tensor = self._root_mesh.permute(*others, *root_dims).reshape(
+            -1, math.prod(self._root_mesh.shape[d] for d in root_dims))
+        rows = tuple(tuple(int(r) for r in row) for row in rows_tensor.tolist())
+        group = _GROUPS.group_for_rows(rows, self._world_size)
+        my_row = next(row for row in rows if self._rank in row)
+        return _DimGroup(group, my_row, self._rank)
+
+    # ----------------------------------------------------------------- public API
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self._shape
+
+    def size(self, mesh_dim: int | str | None = None) -> int:
+        if mesh_dim is None:
+            return self.mesh.numel()
+        return self._shape[self._dim_index(mesh_dim)]
+
+    def get_rank(self) -> int:
+        return self._rank
+
+    def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
+        if mesh_dim is None:
+            if self.ndim != 1:
+                raise ValueError(f"get_local_rank() needs mesh_dim on a {self.ndim}-D mesh "
+                                 f"(dims: {self._dim_labels()})")
+            mesh_dim = 0
+        return self._coordinate[self._dim_index(mesh_dim)]
+
+    def get_coordinate(self) -> list[int]:
+        return list(self._coordinate)
+
+    def get_group(self, mesh_dim: int | str | None = None):
+        self._check_alive()
+        if mesh_dim is None:
+            if self.ndim != 1:
+                raise ValueError(f"get_group() needs mesh_dim on a {self.ndim}-D mesh "
+                                 f"(dims: {self._dim_labels()})")
+            mesh_dim = 0
+        return self._dim_groups[self._dim_index(mesh_dim)].group
+
+    def get_all_groups(self) -> list:
+        self._check_alive()
+        return [g.group for g in self._dim_groups]
+
+    def _dim_group(self, mesh_dim: int) -> _DimGroup:
+        """Internal: group plus coordinate bookkeeping, used by the collectives layer."""
+        if self._pg_owner is not _GROUPS._owner:
+            self._check_alive()
+        return self._dim_groups[mesh_dim]
+
+    def _check_alive(self):
+        if not dist.is_initialized() or self._pg_owner is not _GROUPS.owner():
+            raise RuntimeError(
+                f"{self!r} was built on a process group that has since been destroyed "
+                "(destroy_process_group / init_process_group); build a new DeviceMesh "
+                "after re-initialising torch.distributed")
+
+    def __getitem__(self, names) -> "DeviceMesh":
+        if isinstance(names, str):
+            names = (names,)
+        if not isinstance(names, tuple) or not names or not all(isinstance(n, str) for n in names):
+            raise TypeError(f"slice a DeviceMesh by dim names, e.g. mesh['tp'] or mesh['dp', 'tp']; "
+                            f"got {names!r}")
+        if len(set(names)) != len(names):
+            raise ValueError(f"duplicate mesh dim names in slice {names}")
+        root_dims = tuple(self._resolve_name(n) for n in names)
+        if root_dims == self._root_dims and names == self.mesh_dim_names:
+            return self
+        return DeviceMesh(self.device_type, None, mesh_dim_names=names, _root=self._root,
+                          _root_dims=root_dims)
+
+    def _resolve_name(self, name: str) -> tuple[int, ...]:
+        if self.mesh_dim_names and name in self.mesh_dim_names:
+            return self._root_dims[self.mesh_dim_names.index(name)]
+        flat = self._root._flat_names.get(name)
+        mine = {d for dims in self._root_dims for d in dims}
+        if flat is not None and set(flat) <= mine:
+            return flat
+        known = list(self.mesh_dim_names or ()) + [
+            n for n, dims in self._root._flat_names.items() if set(dims) <= mine]
+        raise KeyError(f"mesh dim name {name!r} not found in DeviceMesh; available: {known}")
+
+    def _flatten(self, mesh_dim_name: str | None = None) -> "DeviceMesh":
+        """Merge all dims of this mesh into one named dim; the root mesh learns the new name."""
+        root_dims = tuple(d for dims in self._root_dims for d in dims)
+        if mesh_dim_name is None:
+            mesh_dim_name = "_".join(self.mesh_dim_names) if self.mesh_dim_names else "flat"
+        if not isinstance(mesh_dim_name, str):
+            raise TypeError(f"flattened mesh dim name must be a str, got {mesh_dim_name!r}")
+        root = self._root
+        existing = root._flat_names.get(mesh_dim_name)
+        if (root.mesh_dim_names and mesh_dim_name in root.mesh_dim_names) or (
+                existing is not None and existing != root_dims):
+            raise ValueError(f"mesh dim name {mesh_dim_name!r} already names another dimension of "
+                             f"{root!r}; pick a new name for the flattened dim")
+        root._flat_names[mesh_dim_name] = root_dims
+        return DeviceMesh(self.device_type, None, mesh_dim_names=(mesh_dim_name,), _root=root,
+                          _root_dims=(root_dims,))
+
+    def flatten(self, mesh_dim_name: str | None = None) -> "DeviceMesh":
+        """Public spelling of ``_flatten``: one dim spanning all of this mesh's dims.
+
+        Example::
+
+            >>> dp = mesh["dp_replicate", "dp_shard"].flatten("dp")   # now mesh["dp"] works too
+        """
+        return self._flatten(mesh_dim_name)
+
+    def _dim_index(self, mesh_dim: int | str) -> int:
+        if isinstance(mesh_dim, str):
+            if not self.mesh_dim_names or mesh_dim not in self.mesh_dim_names:
+                raise KeyError(f"mesh dim name {mesh_dim!r} not found; available: "
+                               f"{list(self.mesh_dim_names or ())}")
+            return self.mesh_dim_names.index(mesh_dim)
+        if not isinstance(mesh_dim, int) or not -self.ndim <= mesh_dim < self.ndim:
+            raise IndexError(f"mesh dim {mesh_dim!r} out of range for a {self.ndim}-D mesh")
+        return mesh_dim % self.ndim
+
+    def _dim_labels(self):
+        return list(self.mesh_dim_names) if self.mesh_dim_names else list(range(self.ndim))
+
+    def __eq__(self, other):
+        if self is other:
+            return True
+        return (isinstance(other, DeviceMesh) and self._hash == other._hash
+                and self.device_type == other.device_type and self._shape == other._shape
+                and self.mesh_dim_names == other.mesh_dim_names
+                and torch.equal(self.mesh, other.mesh))
+
+    def __hash__(self):
+        return self._hash
+
+    def __repr__(self):
+        names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
+        return f"DeviceMesh('{self.device_type}', {self.mesh.tolist()}{names})"
+
+
+def _validate_mesh(mesh) -> torch.Tensor:
+    if isinstance(mesh, torch.Tensor):
+        t = mesh.detach().cpu()
+    else:
+        try:
+            t = torch.tensor(mesh)
+        except Exception as e:  # ragged lists and the like
+            raise ValueError(f"DeviceMesh mesh must be a rectangular array of ranks, got {mesh!r}") from e
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ValueError(f"DeviceMesh mesh must hold integer ranks, got dtype {t.dtype}")
+    if t.ndim == 0 or t.numel() == 0:
+        raise ValueError(f"DeviceMesh mesh must have at least one dim and one rank, got shape "
+                         f"{tuple(t.shape)}")
+    t = t.to(torch.int64)
+    world = dist.get_world_size()
+    flat = t.flatten().tolist()
+    if len(set(flat)) != len(flat):
+        raise ValueError(f"DeviceMesh mesh has duplicate ranks: {t.tolist()}")
+    bad = [r for r in flat if not 0 <= r < world]
+    if bad:
+        raise ValueError(f"DeviceMesh mesh has ranks {bad} outside the world [0, {world}): "
+                         f"{t.tolist()}")
+    return t
+
+
+def _validate_names(names, ndim: int):
+    if names is None:
+        return None
+    if isinstance(names, str):
+        names = (names,)
+    names = tuple(names)
+    if len(names) != ndim:
+        raise ValueError(f"mesh_dim_names {names} has {len(names)} names for a {ndim}-D mesh")
+    if not all(isinstance(n, str) and n for n in names):
+        raise ValueError(f"mesh_dim_names must be non-empty strings, got {names}")
+    if len(set(names)) != len(names):
+        raise ValueError(f"mesh_dim_names must be unique, got {names}")
+    return names
+
+
+def _validate_device_type(device_type: str) -> str:
+    if not isinstance(device_type, str):
+        raise TypeError(f"device_type must be a string such as 'cpu' or 'cuda', got {device_type!r}")
+    dev = torch.device(device_type)
+    if dev.index is not None:
+        raise ValueError(f"device_type is a type ('cpu', 'cuda'), not a device: got {device_type!r}")
+    return dev.type
+
+
+def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
+                     mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
+    """Build a DeviceMesh of ``mesh_shape`` over all ranks, in rank order.
+
+    Example::
+
+        >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    """
+    _require_initialized("init_device_mesh")
+    if isinstance(mesh_shape, int):
+        mesh_shape = (mesh_shape,)
+    mesh_shape = tuple(mesh_shape)
+    if not mesh_shape or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1
+                                 for s in mesh_shape):
+        raise ValueError(f"mesh_shape must be a non-empty tuple of positive ints, got {mesh_shape}")
+    world = dist.get_world_size()
+    if math.prod(mesh_shape) != world:
+        raise ValueError(f"mesh_shape {mesh_shape} holds {math.prod(mesh_shape)} ranks but the world "
+                         f"size is {world}; the product of the mesh shape must equal the world size")
+    if mesh_dim_names is not None:
+        _validate_names(mesh_dim_names, len(mesh_shape))
+    device_type = _validate_device_type(device_type)
+    if device_type == "cuda" and torch.cuda.is_available():
+        # one GPU per local rank unless the user already picked one
+        local = int(__import__("os").environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
+        torch.cuda.set_device(local)
+    mesh = torch.arange(world, dtype=torch.int64).reshape(mesh_shape)
+    return DeviceMesh(device_type, mesh, mesh_dim_names=mesh_dim_names)

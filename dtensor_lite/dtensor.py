@@ -1,0 +1,297 @@
+"""DTensor: a torch.Tensor wrapper subclass holding this rank's piece of a global tensor.
+
+The wrapper carries the *global* shape, stride, dtype and requires_grad, so autograd and ordinary
+PyTorch code see the global tensor; ``__torch_dispatch__`` runs every aten op on the local pieces
+(see ``_dispatch``). The conversions between global and local views -- ``from_local``,
+``to_local``, ``redistribute`` and ``full_tensor`` -- are autograd Functions whose backward is the
+transpose of the forward (the gradient of Shard->Replicate comes back as Partial->Shard).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .device_mesh import DeviceMesh
+from .placements import Partial, Placement, Replicate, Shard
+from .redistribute import plan_redistribute, run_plan
+from .spec import DTensorSpec, TensorMeta, normalize_placements
+
+__all__ = ["DTensor"]
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+class DTensor(torch.Tensor):
+    """A distributed tensor: global metadata on the wrapper, this rank's piece inside.
+
+    Example::
+
+        >>> mesh = init_device_mesh("cpu", (4,))
+        >>> x = distribute_tensor(torch.arange(10.), mesh, [Shard(0)])
+        >>> x.to_local()          # rank 3 holds the last chunk: tensor([9.])
+        >>> (x * 2).full_tensor() # tensor([0., 2., ..., 18.]) on every rank
+    """
+
+    _local_tensor: torch.Tensor
+    _spec: DTensorSpec
+    __slots__ = ("_local_tensor", "_spec")
+
+    # Plain torch functions go straight to aten; every decision is made in __torch_dispatch__.
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool = False):
+        meta = spec.tensor_meta
+        r = torch.Tensor._make_wrapper_subclass(
+            cls, meta.shape, strides=meta.stride, dtype=meta.dtype, device=local_tensor.device,
+            layout=local_tensor.layout, requires_grad=requires_grad)
+        r._local_tensor = local_tensor
+        r._spec = spec
+        return r
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        return _dispatch.dispatch(func, args, kwargs)
+
+    def __repr__(self):
+        return (f"DTensor(local_tensor={self._local_tensor}, device_mesh={self._spec.mesh}, "
+                f"placements={list(self.placements)})")
+
+    # --- tensor-subclass protocol (torch.compile, DCP, deepcopy)
+    def __tensor_flatten__(self):
+        return ["_local_tensor"], (self._spec, self.requires_grad)
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, flatten_spec, outer_size, outer_stride):
+        spec, requires_grad = flatten_spec
+        return DTensor(inner_tensors["_local_tensor"], spec, requires_grad=requires_grad)
+
+    def __reduce_ex__(self, protocol):
+        return (_rebuild_dtensor, (self._local_tensor, self._spec, self.requires_grad))
+
+    def __deepcopy__(self, memo):
+        out = DTensor(self._local_tensor.clone(), self._spec, requires_grad=self.requires_grad)
+        memo[id(self)] = out
+        return out
+
+    # --- public surface
+    @property
+    def placements(self) -> tuple[Placement, ...]:
+        """One placement per mesh dim (non-default shard orders show as ``_StridedShard``)."""
+        return self._spec.public_placements()
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        return self._spec.mesh
+
+    @staticmethod
+    def from_local(local_tensor: torch.Tensor, device_mesh: DeviceMesh | None = None,
+                   placements=None, *, run_check: bool = False, shape=None,
+                   stride=None) -> "DTensor":
+        """Wrap each rank's ``local_tensor`` as the pieces of one global DTensor.
+
+        Without ``shape``, Shard dims are assumed even (global = local * mesh size); pass
+        ``shape`` for uneven shards, or ``run_check=True`` to gather the local shapes and derive
+        the exact global shape (and check that Replicate pieces agree). Differentiable.
+
+        Example::
+
+            >>> x = DTensor.from_local(torch.ones(2, 4), mesh, [Shard(0)])  # global (2*n, 4)
+        """
+        if not isinstance(local_tensor, torch.Tensor) or isinstance(local_tensor, DTensor):
+            raise TypeError(f"from_local needs a plain local torch.Tensor, got {type(local_tensor).__name__}")
+        mesh = device_mesh if device_mesh is not None else _default_mesh(local_tensor)
+        placements = normalize_placements(placements, mesh, local_tensor.ndim)
+        if local_tensor.device.type != mesh.device_type and local_tensor.device.type != "meta":
+            local_tensor = local_tensor.to(mesh.device_type)
+        if run_check:
+            shape = _checked_global_shape(local_tensor, mesh, placements, shape)
+        if shape is None:
+            shape = list(local_tensor.shape)
+            for i, p in enumerate(placements):
+                if p.is_shard():
+                    shape[p.dim] *= mesh.shape[i]
+        shape = torch.Size(shape)
+        stride = tuple(stride) if stride is not None else _contiguous_stride(shape)
+        spec = DTensorSpec(mesh, placements, TensorMeta(shape, stride, local_tensor.dtype))
+        expected = spec.local_shape()
+        if tuple(local_tensor.shape) != expected:
+            raise ValueError(
+                f"from_local: local tensor of shape {tuple(local_tensor.shape)} on rank "
+                f"{mesh.get_rank()} does not match global shape {tuple(shape)} with placements "
+                f"{list(placements)} (this rank should hold {expected}); pass the right shape= "
+                "or use run_check=True to derive it from all ranks")
+        return _FromLocal.apply(local_tensor, spec)
+
+    def to_local(self, *, grad_placements=None) -> torch.Tensor:
+        """This rank's piece. ``grad_placements`` says how the local gradient is laid out
+        (default: as this DTensor is)."""
+        if not torch.is_grad_enabled():
+            return self._local_tensor
+        return _ToLocal.apply(self, grad_placements)
+
+    def redistribute(self, device_mesh: DeviceMesh | None = None, placements=None, *,
+                     async_op: bool = False) -> "DTensor":
+        """The same global tensor with new ``placements``, at the least communication.
+
+        ``async_op`` is accepted for API compatibility; collectives complete before return.
+
+        Example::
+
+            >>> y = x.redistribute(mesh, [Replicate(), Shard(1)])
+            >>> print(explain_redistribute(x, mesh, [Replicate(), Shard(1)]))  # the plan
+        """
+        dst = _target_spec(self._spec, device_mesh, placements)
+        return _Redistribute.apply(self, dst)
+
+    def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
+        """The whole global tensor on every rank (a plain tensor). Differentiable."""
+        replicated = self.redistribute(self._spec.mesh, [Replicate()] * self._spec.mesh.ndim)
+        return replicated.to_local(grad_placements=grad_placements)
+
+
+def _rebuild_dtensor(local, spec, requires_grad):
+    return DTensor(local, spec, requires_grad=requires_grad)
+
+
+def _target_spec(src: DTensorSpec, device_mesh, placements) -> DTensorSpec:
+    mesh = src.mesh if device_mesh is None else device_mesh
+    if mesh != src.mesh:
+        raise ValueError(
+            f"redistribute between different meshes is not supported: the DTensor lives on "
+            f"{src.mesh} and the target is {mesh}. Use full_tensor() and distribute_tensor() "
+            "onto the new mesh, or DCP to reshard a checkpoint")
+    if placements is None:
+        raise ValueError("redistribute needs placements, e.g. [Replicate()] or [Shard(0)]")
+    placements = normalize_placements(placements, mesh, src.ndim)
+    return DTensorSpec(mesh, placements, src.tensor_meta)
+
+
+def _grad_target(spec: DTensorSpec, grad_spec: DTensorSpec) -> DTensorSpec:
+    """Gradients of a Partial value arrive Replicated: d(sum_i x_i)/dx_i = 1."""
+    placements = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
+    order = spec.shard_order
+    return DTensorSpec(spec.mesh, placements, grad_spec.tensor_meta, order)
+
+
+def _as_grad_dtensor(grad, spec: DTensorSpec) -> "DTensor":
+    if isinstance(grad, DTensor):
+        return grad
+    raise RuntimeError(
+        f"the gradient flowing into a DTensor of placements {list(spec.placements)} is a plain "
+        f"tensor of shape {tuple(grad.shape)}; pass DTensor gradients (e.g. call backward() on a "
+        "DTensor loss, or distribute the gradient with the same mesh)")
+
+
+def _redistribute_local(dt: "DTensor", dst: DTensorSpec) -> torch.Tensor:
+    src = dt._spec
+    if src == dst:
+        return dt._local_tensor
+    if src.tensor_meta != dst.tensor_meta:
+        src = DTensorSpec(src.mesh, src.placements, dst.tensor_meta, src.shard_order)
+    return run_plan(dt._local_tensor, plan_redistribute(src, dst))
+
+
+class _FromLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, local, spec):
+        ctx.spec = spec
+        return DTensor(local.view_as(local), spec)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = _as_grad_dtensor(grad, ctx.spec)
+        target = _grad_target(ctx.spec, grad._spec)
+        return _redistribute_local(grad, target), None
+
+
+class _ToLocal(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dt, grad_placements):
+        spec = dt._spec
+        if grad_placements is not None:
+            grad_placements = normalize_placements(grad_placements, spec.mesh, spec.ndim)
+            spec = DTensorSpec(spec.mesh, grad_placements, spec.tensor_meta)
+        ctx.spec = spec
+        return dt._local_tensor.view_as(dt._local_tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        spec = ctx.spec
+        if tuple(grad.shape) != spec.local_shape():
+            raise RuntimeError(
+                f"to_local backward: local gradient of shape {tuple(grad.shape)} does not match "
+                f"placements {list(spec.placements)} (expected {spec.local_shape()}); pass "
+                "grad_placements= that describe the local gradient")
+        meta = TensorMeta(spec.shape, spec.stride, grad.dtype)
+        return DTensor(grad, DTensorSpec(spec.mesh, spec.placements, meta, spec.shard_order)), None
+
+
+class _Redistribute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, dt, dst):
+        ctx.src = dt._spec
+        out = _redistribute_local(dt, dst)
+        if out is dt._local_tensor:
+            out = out.view_as(out)
+        return DTensor(out, dst)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = _as_grad_dtensor(grad, ctx.src)
+        target = _grad_target(ctx.src, grad._spec)
+        return DTensor(_redistribute_local(grad, target), target), None
+
+
+_DEFAULT_MESHES: dict = {}
+
+
+def _default_mesh(like: torch.Tensor) -> DeviceMesh:
+    """A 1-D mesh over the whole world, used when a call gives no device_mesh."""
+    from . import _caches
+    from .device_mesh import init_device_mesh
+    if not dist.is_initialized():
+        raise RuntimeError("no device_mesh given and torch.distributed is not initialised")
+    device_type = "cuda" if like.is_cuda else "cpu"
+    if device_type not in _DEFAULT_MESHES:
+        if not _DEFAULT_MESHES:
+            _caches.register(_DEFAULT_MESHES)
+        _DEFAULT_MESHES[device_type] = init_device_mesh(device_type, (dist.get_world_size(),))
+    mesh = _DEFAULT_MESHES[device_type]
+    mesh._check_alive()
+    return mesh
+
+
+def _checked_global_shape(local, mesh, placements, shape):
+    """Gather every rank's local shape to derive the exact global shape (run_check=True)."""
+    from .collectives import all_gather
+    from .collectives import broadcast
+    device = local.device if local.device.type != "meta" else "cpu"
+    # sum the piece lengths over each sharding mesh dim, innermost (last) mesh dim first
+    global_shape = list(local.shape)
+    for i in reversed(range(mesh.ndim)):
+        p = placements[i]
+        if p.is_shard():
+            lens = all_gather(torch.tensor([global_shape[p.dim]], device=device), mesh, i)
+            global_shape[p.dim] = int(lens.sum())
+    if shape is not None and tuple(shape) != tuple(global_shape):
+        raise ValueError(f"from_local: shape={tuple(shape)} but the ranks' pieces add up to "
+                         f"{tuple(global_shape)} for placements {list(placements)}")
+    for i, p in enumerate(placements):
+        if p.is_replicate():
+            ref = local.clone()
+            broadcast(ref, mesh, i, 0)
+            if not torch.equal(ref, local):
+                raise ValueError(
+                    f"from_local(run_check=True): the Replicate pieces on mesh dim {i} differ "
+                    f"between ranks (rank {mesh.get_rank()} differs from coordinate 0)")
+    return torch.Size(global_shape)  # from_local then checks each piece is torch.chunk's
+
+
+from . import _dispatch  # noqa: E402  (the dispatcher needs DTensor defined first)

@@ -1,0 +1,3 @@
+"""Sharding rules, one module per op family. Importing this package registers them all."""
+from . import _registry  # noqa: F401
+from . import pointwise, matrix, reduction, tensor_ops, view  # noqa: F401

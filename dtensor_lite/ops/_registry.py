@@ -1,0 +1,80 @@
+"""Sharding rules: how each aten op maps input placements to output placements.
+
+A rule is a function ``rule(call: OpCall)`` returning either
+
+* a list of **per-mesh-dim strategies** ``(outs, ins)``: ``outs`` holds one placement per tensor
+  output (or a single placement), ``ins`` one placement per DTensor input in ``call.inputs``
+  order. The dispatcher expands them over every mesh dim, picking per dim the strategy that moves
+  the least data (ties: the one that moves nothing, then list order). This is the shape PyTorch's
+  ``register_sharding`` uses, and most rules are a few lines of it; or
+* a :class:`FullStrategy` spelling out every mesh dim at once, optionally with a ``local_fn`` that
+  replaces the op on local pieces (used where the local computation differs from the global one,
+  e.g. a mean over a sharded dim, or a vocab-sharded embedding lookup).
+
+Rules are registered per ``OpOverload`` with :func:`register_rule` (or for a whole overload
+packet). The public, PyTorch-compatible spelling is :func:`dtensor_lite.register_sharding`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+
+from ..spec import DTensorSpec
+
+__all__ = ["OpCall", "FullStrategy", "register_rule", "get_rule", "RULES"]
+
+RULES: dict = {}
+
+
+class OpCall:
+    """What a rule sees: the op, its args with DTensors replaced by their DTensorSpec."""
+
+    __slots__ = ("op", "args", "kwargs", "inputs", "mesh")
+
+    def __init__(self, op, args, kwargs, inputs: list[DTensorSpec], mesh):
+        self.op = op
+        self.args = args        # DTensorSpec where the call had a DTensor
+        self.kwargs = kwargs
+        self.inputs = inputs    # the DTensorSpecs, in flattened argument order
+        self.mesh = mesh
+
+    @property
+    def name(self) -> str:
+        return str(self.op)
+
+    def __repr__(self):
+        return f"OpCall({self.op}, inputs={self.inputs})"
+
+
+@dataclass
+class FullStrategy:
+    """Placements for every mesh dim: ``outs[k]`` for output k (None for a non-tensor output),
+    ``ins[j]`` for DTensor input j (None: keep as is). ``local_fn(*local_args, **kwargs)`` runs
+    instead of the op when given. ``out_orders[k]`` optionally gives output k's shard order."""
+    outs: Sequence
+    ins: Sequence
+    local_fn: Callable | None = None
+    out_orders: Sequence | None = None
+    in_orders: Sequence | None = None
+
+
+def register_rule(*ops):
+    """Decorator: register ``rule`` for each aten op overload (or every overload of a packet)."""
+    def deco(rule):
+        for op in ops:
+            for overload in _overloads(op):
+                RULES[overload] = rule
+        return rule
+    return deco
+
+
+def _overloads(op):
+    if isinstance(op, torch._ops.OpOverloadPacket):
+        return [getattr(op, name) for name in op.overloads()]
+    return [op]
+
+
+def get_rule(op):
+    return RULES.get(op)

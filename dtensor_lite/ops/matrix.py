@@ -1,0 +1,73 @@
+"""Matrix products: the standard per-mesh-dim strategies.
+
+For ``out[m, n] = a[m, k] @ b[k, n]``: S(0)·R -> S(0), R·S(1) -> S(1), S(1)·S(0) -> Partial,
+Partial·R -> Partial, R·Partial -> Partial, and batch dims shard straight through.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..placements import Partial, Replicate, Shard
+from ..spec import DTensorSpec
+from ._registry import register_rule
+
+aten = torch.ops.aten
+R = Replicate()
+
+
+def _mm_strategies(batch: int, extra_ins: int = 0, bias=None):
+    """Strategies for a (possibly batched) matmul with ``batch`` leading batch dims.
+
+    ``bias``: the bias spec of addmm/baddbmm (listed first), broadcast against the output."""
+    m, k_a, k_b, n_ = batch, batch + 1, batch, batch + 1  # dims of a[.., m, k] and b[.., k, n]
+    out_m, out_n = batch, batch + 1
+    cases = [(R, R, R)]
+    cases += [(Shard(b), Shard(b), Shard(b)) for b in range(batch)]
+    cases += [(Shard(out_m), Shard(m), R), (Shard(out_n), R, Shard(n_)),
+              (Partial("sum"), Shard(k_a), Shard(k_b))]
+    for op in ("sum", "avg"):
+        cases += [(Partial(op), Partial(op), R), (Partial(op), R, Partial(op))]
+    strategies = []
+    for out, a, b in cases:
+        if bias is None:
+            strategies.append(((out,), (a, b)))
+            continue
+        strategies.append(((out,), (_bias_placement(bias, out, batch + 2), a, b)))
+    return strategies
+
+
+def _bias_placement(bias, out, out_ndim):
+    if bias is None:
+        return None
+    if out.is_partial():
+        return out  # Replicate -> Partial is free and keeps the sum right
+    if out.is_replicate():
+        return R
+    dd = out.dim - (out_ndim - bias.ndim)
+    return Shard(dd) if dd >= 0 and bias.shape[dd] != 1 else R
+
+
+@register_rule(aten.mm, aten.matmul.default)
+def _mm(call):
+    return _mm_strategies(0)
+
+
+@register_rule(aten.bmm)
+def _bmm(call):
+    return _mm_strategies(1)
+
+
+@register_rule(aten.addmm)
+def _addmm(call):
+    return _mm_strategies(0, bias=_dtensor_arg(call.args[0]))
+
+
+@register_rule(aten.baddbmm)
+def _baddbmm(call):
+    return _mm_strategies(1, bias=_dtensor_arg(call.args[0]))
+
+
+def _dtensor_arg(a):
+    if not isinstance(a, DTensorSpec):
+        raise TypeError("the bias of addmm/baddbmm must be a DTensor when its matrices are")
+    return a

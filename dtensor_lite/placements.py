@@ -1,0 +1,186 @@
+"""Placements: how a global tensor is laid out along one dimension of a DeviceMesh.
+
+A DTensor carries one placement per mesh dimension:
+
+* ``Shard(dim)``     -- tensor dim ``dim`` is split across the mesh dim, with ``torch.chunk``
+                        semantics (chunk size ``ceil(n / k)``; trailing ranks may hold fewer rows
+                        or an empty shard).
+* ``Replicate()``    -- every rank of the mesh dim holds the whole (remaining) tensor.
+* ``Partial(op)``    -- every rank holds a partial value; the global value is the reduction
+                        (``sum``, ``avg``, ``max`` or ``min``) of the local values over the mesh dim.
+* ``_StridedShard``  -- an internal spelling (as in PyTorch) for "this mesh dim shards the tensor
+                        dim *after* mesh dims to its right do", which FSDP on top of TP needs.
+
+Placements are tiny immutable value objects: hashable, equal by value, cheap to compare. They are
+used as cache keys on every dispatched op, so their hashes are computed once.
+"""
+from __future__ import annotations
+
+__all__ = ["Placement", "Shard", "Replicate", "Partial", "_StridedShard"]
+
+_REDUCE_OPS = ("sum", "avg", "max", "min")
+
+
+class Placement:
+    """Base class of all placements. Use ``Shard``, ``Replicate`` or ``Partial``."""
+
+    __slots__ = ("_hash",)
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __delattr__(self, name):
+        raise AttributeError(f"{type(self).__name__} is immutable")
+
+    def __hash__(self) -> int:
+        return self._hash
+
+    def __reduce__(self):
+        return (type(self), self._init_args())
+
+    def _init_args(self) -> tuple:
+        return ()
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return False
+
+    def is_replicate(self) -> bool:
+        return False
+
+    def is_partial(self, reduce_op: str | None = None) -> bool:
+        return False
+
+
+class Shard(Placement):
+    """Split tensor dimension ``dim`` across a mesh dimension (``torch.chunk`` semantics).
+
+    Example::
+
+        >>> Shard(0)
+        Shard(dim=0)
+    """
+
+    __slots__ = ("dim",)
+
+    def __init__(self, dim: int):
+        if not isinstance(dim, int) or isinstance(dim, bool):
+            raise TypeError(f"Shard(dim) needs an int tensor dimension, got {dim!r}")
+        object.__setattr__(self, "dim", dim)
+        object.__setattr__(self, "_hash", hash(("Shard", dim)))
+
+    def _init_args(self):
+        return (self.dim,)
+
+    def is_shard(self, dim: int | None = None) -> bool:
+        return dim is None or dim == self.dim
+
+    def __eq__(self, other):
+        return type(other) is Shard and other.dim == self.dim
+
+    __hash__ = Placement.__hash__  # defining __eq__ would otherwise drop the inherited hash
+
+    def __repr__(self):
+        return f"Shard(dim={self.dim})"
+
+    def __str__(self):
+        return f"S({self.dim})"
+
+
+class _StridedShard(Shard):
+    """Shard ``dim`` on this mesh dim *after* the mesh dims to its right that shard ``dim`` too.
+
+    ``split_factor`` is the product of the sizes of those mesh dims that apply first. This is the
+    PyTorch spelling of a non-default shard order; dtensor_lite stores the order explicitly in
+    ``DTensorSpec.shard_order`` and uses nested ``torch.chunk`` semantics for uneven sizes (the
+    piece a rank holds is chunk ``c_inner`` of chunk ``c_outer`` of the dim).
+    """
+
+    __slots__ = ("split_factor",)
+
+    def __init__(self, dim: int, split_factor: int):
+        super().__init__(dim)
+        if not isinstance(split_factor, int) or split_factor < 1:
+            raise ValueError(f"_StridedShard split_factor must be a positive int, got {split_factor!r}")
+        object.__setattr__(self, "split_factor", split_factor)
+        object.__setattr__(self, "_hash", hash(("_StridedShard", dim, split_factor)))
+
+    def _init_args(self):
+        return (self.dim, self.split_factor)
+
+    def __eq__(self, other):
+        return (type(other) is _StridedShard and other.dim == self.dim
+                and other.split_factor == self.split_factor)
+
+    __hash__ = Placement.__hash__
+
+    def __repr__(self):
+        return f"_StridedShard(dim={self.dim}, split_factor={self.split_factor})"
+
+    def __str__(self):
+        return f"_S({self.dim},{self.split_factor})"
+
+
+class Replicate(Placement):
+    """Every rank of the mesh dimension holds the full tensor."""
+
+    __slots__ = ()
+
+    def __init__(self):
+        object.__setattr__(self, "_hash", hash("Replicate"))
+
+    def is_replicate(self) -> bool:
+        return True
+
+    def __eq__(self, other):
+        return type(other) is Replicate
+
+    __hash__ = Placement.__hash__
+
+    def __repr__(self):
+        return "Replicate()"
+
+    def __str__(self):
+        return "R"
+
+
+class Partial(Placement):
+    """Each rank holds a partial value; the global value is ``reduce_op`` over the mesh dim.
+
+    ``reduce_op`` is one of ``"sum"`` (default), ``"avg"``, ``"max"``, ``"min"``.
+
+    Example::
+
+        >>> Partial()
+        Partial(sum)
+    """
+
+    __slots__ = ("reduce_op",)
+
+    def __init__(self, reduce_op: str = "sum"):
+        if reduce_op not in _REDUCE_OPS:
+            raise ValueError(
+                f"Partial reduce_op must be one of {_REDUCE_OPS}, got {reduce_op!r}")
+        object.__setattr__(self, "reduce_op", reduce_op)
+        object.__setattr__(self, "_hash", hash(("Partial", reduce_op)))
+
+    def _init_args(self):
+        return (self.reduce_op,)
+
+    def is_partial(self, reduce_op: str | None = None) -> bool:
+        return reduce_op is None or reduce_op == self.reduce_op
+
+    @property
+    def is_linear(self) -> bool:
+        """sum and avg commute with linear maps (add, matmul, scaling); max and min do not."""
+        return self.reduce_op in ("sum", "avg")
+
+    def __eq__(self, other):
+        return type(other) is Partial and other.reduce_op == self.reduce_op
+
+    __hash__ = Placement.__hash__
+
+    def __repr__(self):
+        return f"Partial({self.reduce_op})"
+
+    def __str__(self):
+        return f"P({self.reduce_op})"

@@ -1,0 +1,97 @@
+"""Running a redistribute plan on this rank's local tensor, one step at a time.
+
+Uneven shards are padded to the chunk size only inside the collective and trimmed right after;
+the ``torch.chunk`` layout (full chunks first) makes pad-then-trim exact.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import collectives as C
+from ..spec import chunk_range
+from .planner import RedistributePlan, Step
+
+__all__ = ["run_plan"]
+
+
+def _pad_to(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
+    extra = size - t.shape[dim]
+    if extra == 0:
+        return t
+    pad_shape = list(t.shape)
+    pad_shape[dim] = extra
+    return torch.cat([t, t.new_zeros(pad_shape)], dim=dim)
+
+
+def _identity_value(op: str, dtype: torch.dtype):
+    if op in ("sum", "avg"):
+        return 0
+    if dtype == torch.bool:
+        return op == "min"
+    info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
+    if dtype.is_floating_point:
+        return float("-inf") if op == "max" else float("inf")
+    return info.min if op == "max" else info.max
+
+
+def _run_step(x: torch.Tensor, step: Step) -> torch.Tensor:
+    mesh = step.before.mesh
+    i = step.mesh_dim
+    n = mesh.shape[i]
+    kind = step.kind
+    before_shape = step.before.local_shape()
+    after_shape = step.after.local_shape()
+    if kind == "all_gather":
+        d = step.src.dim
+        parent = after_shape[d]
+        x = _pad_to(x, d, -(-parent // n))
+        return C.all_gather(x, mesh, i, gather_dim=d).narrow(d, 0, parent)
+    if kind == "reduce_scatter":
+        d = step.dst.dim
+        x = _pad_to(x, d, n * -(-before_shape[d] // n))
+        out = C.reduce_scatter(x, mesh, i, step.src.reduce_op, scatter_dim=d)
+        return out.narrow(d, 0, after_shape[d])
+    if kind == "all_reduce":
+        return C.all_reduce(x, mesh, i, step.src.reduce_op)
+    if kind == "all_to_all":
+        d, e = step.src.dim, step.dst.dim
+        parent_d = after_shape[d]
+        x = _pad_to(x, d, -(-parent_d // n))
+        x = _pad_to(x, e, n * -(-before_shape[e] // n))
+        out = C.all_to_all(x, mesh, i, split_dim=e, cat_dim=d)
+        return out.narrow(d, 0, parent_d).narrow(e, 0, after_shape[e])
+    coord = mesh.get_coordinate()[i]
+    if kind == "chunk":
+        d = step.dst.dim
+        start, size = _chunk_start(before_shape[d], n, coord)
+        return x.narrow(d, start, size)
+    if kind == "to_partial":
+        if step.dst.reduce_op == "sum" and coord != 0:
+            return torch.zeros_like(x)
+        return x
+    if kind == "pad_to_partial":
+        d, op = step.src.dim, step.dst.reduce_op
+        full_shape = list(x.shape)
+        full_shape[d] = after_shape[d]
+        out = x.new_full(full_shape, _identity_value(op, x.dtype))
+        start, size = _chunk_start(after_shape[d], n, coord)
+        out.narrow(d, start, size).copy_(x * n if op == "avg" else x)
+        return out
+    if kind == "rescale":
+        return x * n if step.dst.reduce_op == "avg" else x / n
+    raise AssertionError(f"unknown redistribute step {kind}")
+
+
+def _chunk_start(length, n, coord):
+    return chunk_range(length, n, coord)
+
+
+def run_plan(local: torch.Tensor, plan: RedistributePlan) -> torch.Tensor:
+    """Apply ``plan`` to this rank's ``local`` tensor; the result never aliases ``local``."""
+    x = local
+    for step in plan.steps:
+        x = _run_step(x, step)
+    if plan.steps and x.untyped_storage().data_ptr() == local.untyped_storage().data_ptr() \
+            and local.numel() > 0:
+        x = x.clone()  # a plan of only local slices must not hand back a view of its input
+    return x

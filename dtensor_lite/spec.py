@@ -1,0 +1,228 @@
+"""DTensorSpec: everything needed to reason about a DTensor without touching its data.
+
+A spec is ``(mesh, placements, tensor_meta, shard_order)``. ``shard_order[d]`` lists the mesh dims
+that shard tensor dim ``d``, outermost first: the rank's piece of dim ``d`` is chunk ``c[m_k]`` of
+... of chunk ``c[m_1]`` of the whole dim (nested ``torch.chunk``). The default order is increasing
+mesh dim (left to right, as in PyTorch); FSDP on top of TP needs the reverse, which users spell
+with ``_StridedShard`` exactly as in PyTorch.
+
+Specs are hashable and compared by value; the hash is computed once because specs key every cache
+of the dispatcher and the redistribute planner.
+"""
+from __future__ import annotations
+
+import math
+from typing import NamedTuple, Sequence
+
+import torch
+
+from .device_mesh import DeviceMesh
+from .placements import Partial, Placement, Replicate, Shard, _StridedShard
+
+__all__ = ["TensorMeta", "DTensorSpec", "chunk_range", "normalize_placements"]
+
+
+class TensorMeta(NamedTuple):
+    """Global shape, stride and dtype of a DTensor."""
+    shape: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+
+
+def chunk_range(length: int, num_chunks: int, index: int) -> tuple[int, int]:
+    """(start, size) of chunk ``index`` when ``length`` is split like ``torch.chunk``.
+
+    The chunk size is ``ceil(length / num_chunks)``; trailing chunks may be short or empty. This is
+    what makes padded collectives exact: padding every chunk to the full chunk size and trimming
+    the concatenation to ``length`` gives back the original layout.
+    """
+    size = -(-length // num_chunks) if length else 0
+    start = min(index * size, length)
+    return start, min(size, length - start)
+
+
+def normalize_placements(placements, mesh: DeviceMesh, ndim: int | None) -> tuple:
+    """Validate ``placements`` for ``mesh``; make Shard dims non-negative."""
+    if placements is None:
+        return (Replicate(),) * mesh.ndim
+    if isinstance(placements, Placement):
+        placements = (placements,)
+    placements = tuple(placements)
+    if len(placements) != mesh.ndim:
+        raise ValueError(f"got {len(placements)} placements {list(placements)} for a {mesh.ndim}-D "
+                         f"mesh {mesh}; give exactly one placement per mesh dimension")
+    out = []
+    for p in placements:
+        if not isinstance(p, Placement):
+            raise TypeError(f"placements must be Shard/Replicate/Partial objects, got {p!r}")
+        if p.is_shard() and ndim is not None:
+            d = p.dim
+            if not -ndim <= d < max(ndim, 1) or ndim == 0:
+                raise ValueError(f"{p!r} is out of range for a {ndim}-D tensor "
+                                 f"(placements {list(placements)})")
+            if d < 0:
+                p = _StridedShard(d + ndim, p.split_factor) if type(p) is _StridedShard else Shard(d + ndim)
+        out.append(p)
+    partial_ops = {p.reduce_op for p in out if p.is_partial()}
+    if len(partial_ops) > 1 and not partial_ops <= {"sum", "avg"}:
+        raise ValueError(f"placements {out} mix Partial reductions {sorted(partial_ops)}; the global "
+                         "value of such a mix is not defined. Reduce one of them first "
+                         "(redistribute it to Replicate)")
+    return tuple(out)
+
+
+def _orders_from_placements(placements: tuple, mesh_shape: tuple, ndim: int):
+    """Shard order per tensor dim, decoding PyTorch's _StridedShard(dim, split_factor).
+
+    For each tensor dim the mesh dims are inserted right to left: a plain Shard goes outermost of
+    the mesh dims to its right; a _StridedShard goes after the ones to its right whose sizes
+    multiply to its split_factor.
+    """
+    orders = []
+    for d in range(ndim):
+        order: list[int] = []
+        for i in reversed(range(len(placements))):
+            p = placements[i]
+            if not p.is_shard(d):
+                continue
+            if type(p) is _StridedShard:
+                prod, pos = 1, 0
+                while prod < p.split_factor and pos < len(order):
+                    prod *= mesh_shape[order[pos]]
+                    pos += 1
+                if prod != p.split_factor:
+                    raise ValueError(
+                        f"{p!r} on mesh dim {i} does not match the mesh dims to its right that shard "
+                        f"dim {d} (sizes {[mesh_shape[j] for j in order]}); split_factor must be the "
+                        "product of the sizes of the mesh dims that shard this dim first")
+                order.insert(pos, i)
+            else:
+                order.insert(0, i)
+        orders.append(tuple(order))
+    return tuple(orders)
+
+
+def _default_orders(placements: tuple, ndim: int):
+    orders = [[] for _ in range(ndim)]
+    for i, p in enumerate(placements):
+        if p.is_shard():
+            orders[p.dim].append(i)
+    return tuple(tuple(o) for o in orders)
+
+
+class DTensorSpec:
+    """(mesh, placements, tensor_meta, shard_order) of a DTensor; hashable and comparable."""
+
+    __slots__ = ("mesh", "placements", "tensor_meta", "shard_order", "_hash", "_local_cache",
+                 "_default_order")
+
+    def __init__(self, mesh: DeviceMesh, placements: Sequence[Placement], tensor_meta: TensorMeta,
+                 shard_order: tuple | None = None):
+        ndim = len(tensor_meta.shape)
+        placements = tuple(placements)
+        if shard_order is None and any(type(p) is _StridedShard for p in placements):
+            shard_order = _orders_from_placements(placements, mesh.shape, ndim)
+        placements = tuple(Shard(p.dim) if type(p) is _StridedShard else p for p in placements)
+        default = _default_orders(placements, ndim)
+        if shard_order is None:
+            shard_order = default
+        else:
+            shard_order = tuple(tuple(o) for o in shard_order)
+            if tuple(tuple(sorted(o)) for o in shard_order) != default:
+                raise ValueError(f"shard_order {shard_order} does not match placements {placements}")
+        self.mesh = mesh
+        self.placements = placements
+        self.tensor_meta = tensor_meta
+        self.shard_order = shard_order
+        self._default_order = shard_order == default
+        self._hash = hash((mesh, placements, tensor_meta, shard_order))
+        self._local_cache = None
+
+    # -- value semantics
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        return self is other or (
+            type(other) is DTensorSpec and self._hash == other._hash and self.mesh == other.mesh
+            and self.placements == other.placements and self.tensor_meta == other.tensor_meta
+            and self.shard_order == other.shard_order)
+
+    def __repr__(self):
+        order = "" if self._default_order else f", shard_order={self.shard_order}"
+        return (f"DTensorSpec({list(self.placements)}, shape={tuple(self.shape)}, "
+                f"mesh={self.mesh.shape}{order})")
+
+    # -- convenience
+    @property
+    def shape(self) -> torch.Size:
+        return self.tensor_meta.shape
+
+    @property
+    def ndim(self) -> int:
+        return len(self.tensor_meta.shape)
+
+    @property
+    def stride(self):
+        return self.tensor_meta.stride
+
+    @property
+    def dtype(self):
+        return self.tensor_meta.dtype
+
+    @property
+    def has_default_order(self) -> bool:
+        return self._default_order
+
+    def is_replicated(self) -> bool:
+        return all(p.is_replicate() for p in self.placements)
+
+    def public_placements(self) -> tuple:
+        """Placements as PyTorch spells them: non-default shard orders become _StridedShard."""
+        if self._default_order:
+            return self.placements
+        out = list(self.placements)
+        for d, order in enumerate(self.shard_order):
+            for pos, i in enumerate(order):
+                before_from_right = [j for j in order[:pos] if j > i]
+                if before_from_right:
+                    out[i] = _StridedShard(d, math.prod(self.mesh.shape[j] for j in before_from_right))
+        return tuple(out)
+
+    def with_placements(self, placements, shard_order=None) -> "DTensorSpec":
+        return DTensorSpec(self.mesh, placements, self.tensor_meta, shard_order)
+
+    # -- where this rank's piece lives
+    def local_shape_and_offset(self, coordinate: Sequence[int] | None = None):
+        """Shape and global offset of the piece held at ``coordinate`` (default: this rank)."""
+        if coordinate is None:
+            if self._local_cache is None:
+                self._local_cache = _piece(self, self.mesh.get_coordinate())
+            return self._local_cache
+        return _piece(self, coordinate)
+
+    def local_shape(self) -> tuple[int, ...]:
+        return self.local_shape_and_offset()[0]
+
+
+def _piece(spec: DTensorSpec, coordinate) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    shape = list(spec.shape)
+    offset = [0] * len(shape)
+    mesh_shape = spec.mesh.shape
+    for d, order in enumerate(spec.shard_order):
+        for i in order:
+            start, size = chunk_range(shape[d], mesh_shape[i], coordinate[i])
+            offset[d] += start
+            shape[d] = size
+    return tuple(shape), tuple(offset)
+
+
+def local_piece(tensor: torch.Tensor, spec: DTensorSpec, coordinate=None) -> torch.Tensor:
+    """The view of a global ``tensor`` that the rank at ``coordinate`` holds under ``spec``
+    (ignoring Partial, which callers handle)."""
+    shape, offset = spec.local_shape_and_offset(coordinate)
+    out = tensor
+    for d, (size, start) in enumerate(zip(shape, offset)):
+        if size != tensor.shape[d]:
+            out = out.narrow(d, start, size)
+    return out
