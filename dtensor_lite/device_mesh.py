@@ -290,9 +290,23 @@ class DeviceMesh:
     def __hash__(self):
         return self._hash
 
+    def __reduce__(self):
+        # rebuilt from ranks and names: the group cache makes this local when the groups exist
+        root = self._root
+        return (_rebuild_mesh, (self.device_type, root._root_mesh.tolist(), root.mesh_dim_names,
+                                dict(root._flat_names), self._root_dims, self.mesh_dim_names))
+
     def __repr__(self):
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
         return f"DeviceMesh('{self.device_type}', {self.mesh.tolist()}{names})"
+
+
+def _rebuild_mesh(device_type, root_mesh, root_names, flat_names, root_dims, names):
+    root = DeviceMesh(device_type, root_mesh, mesh_dim_names=root_names)
+    root._flat_names.update(flat_names)
+    if root_dims == root._root_dims and names == root_names:
+        return root
+    return DeviceMesh(device_type, None, mesh_dim_names=names, _root=root, _root_dims=root_dims)
 
 
 def _validate_mesh(mesh) -> torch.Tensor:

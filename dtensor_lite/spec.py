@@ -16,6 +16,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
+from . import _caches
 from .device_mesh import DeviceMesh
 from .placements import Partial, Placement, Replicate, Shard, _StridedShard
 
@@ -110,14 +111,22 @@ def _default_orders(placements: tuple, ndim: int):
     return tuple(tuple(o) for o in orders)
 
 
+_INTERNED: dict = _caches.register({})
+
+
 class DTensorSpec:
-    """(mesh, placements, tensor_meta, shard_order) of a DTensor; hashable and comparable."""
+    """(mesh, placements, tensor_meta, shard_order) of a DTensor; hashable and comparable.
 
-    __slots__ = ("mesh", "placements", "tensor_meta", "shard_order", "_hash", "_local_cache",
-                 "_default_order")
+    Specs are interned: constructing an equal spec returns the existing object, so equality is
+    identity and hashing is the C-level object hash. That keeps the dispatcher's per-op cache
+    lookup (a tuple of specs) free of Python-level ``__hash__`` / ``__eq__`` calls.
+    """
 
-    def __init__(self, mesh: DeviceMesh, placements: Sequence[Placement], tensor_meta: TensorMeta,
-                 shard_order: tuple | None = None):
+    __slots__ = ("mesh", "placements", "tensor_meta", "shard_order", "_local_cache",
+                 "_default_order", "__weakref__")
+
+    def __new__(cls, mesh: DeviceMesh, placements: Sequence[Placement], tensor_meta: TensorMeta,
+                shard_order: tuple | None = None):
         ndim = len(tensor_meta.shape)
         placements = tuple(placements)
         if shard_order is None and any(type(p) is _StridedShard for p in placements):
@@ -130,23 +139,27 @@ class DTensorSpec:
             shard_order = tuple(tuple(o) for o in shard_order)
             if tuple(tuple(sorted(o)) for o in shard_order) != default:
                 raise ValueError(f"shard_order {shard_order} does not match placements {placements}")
-        self.mesh = mesh
-        self.placements = placements
-        self.tensor_meta = tensor_meta
-        self.shard_order = shard_order
-        self._default_order = shard_order == default
-        self._hash = hash((mesh, placements, tensor_meta, shard_order))
-        self._local_cache = None
+        key = (mesh, placements, tensor_meta, shard_order)
+        spec = _INTERNED.get(key)
+        if spec is not None:
+            return spec
+        spec = object.__new__(cls)
+        object.__setattr__(spec, "mesh", mesh)
+        object.__setattr__(spec, "placements", placements)
+        object.__setattr__(spec, "tensor_meta", tensor_meta)
+        object.__setattr__(spec, "shard_order", shard_order)
+        object.__setattr__(spec, "_default_order", shard_order == default)
+        object.__setattr__(spec, "_local_cache", None)
+        _INTERNED[key] = spec
+        return spec
 
-    # -- value semantics
-    def __hash__(self):
-        return self._hash
+    def __setattr__(self, name, value):
+        if name != "_local_cache":
+            raise AttributeError("DTensorSpec is immutable")
+        object.__setattr__(self, name, value)
 
-    def __eq__(self, other):
-        return self is other or (
-            type(other) is DTensorSpec and self._hash == other._hash and self.mesh == other.mesh
-            and self.placements == other.placements and self.tensor_meta == other.tensor_meta
-            and self.shard_order == other.shard_order)
+    def __reduce__(self):
+        return (DTensorSpec, (self.mesh, self.placements, self.tensor_meta, self.shard_order))
 
     def __repr__(self):
         order = "" if self._default_order else f", shard_order={self.shard_order}"
