@@ -172,7 +172,9 @@ def _spec_args(op, args, kwargs):
         if isinstance(a, DTensor):
             return a._spec
         if isinstance(a, torch.Tensor) and a.ndim > 0:
-            raise TypeError(
+            # not a TypeError: Tensor.__add__ & co turn TypeErrors into NotImplemented, which
+            # Python then reports as a bare "unsupported operand" without this explanation
+            raise ValueError(
                 f"{op}: got a mix of DTensor and plain torch.Tensor (shape {tuple(a.shape)}) "
                 "arguments. Convert the plain tensor with distribute_tensor(t, mesh, placements) "
                 "or DTensor.from_local(t, mesh, placements) first (only Python scalars and 0-d "
@@ -238,7 +240,9 @@ def _decide(op, args, kwargs, dts) -> _Decision:
         full = result
     else:
         full = _expand(call, list(result), mutated)
-    meta_out = _meta_outputs(op, args, kwargs)
+    # ops returning no tensor (item(), is_same_size, ...) have no output metadata to infer
+    returns_tensor = any("Tensor" in str(r.type) for r in op._schema.returns)
+    meta_out = _meta_outputs(op, args, kwargs) if returns_tensor else None
 
     d = _Decision()
     d.op = op
@@ -338,9 +342,10 @@ def _expand(call: OpCall, strategies, mutated) -> FullStrategy:
     for i in range(mesh_ndim):
         best = None
         for k, (outs, ins) in enumerate(strategies):
-            if mutated is not None and ins[mutated] is not None and \
-                    ins[mutated] != inputs[mutated].placements[i]:
-                continue  # an in-place op cannot move its destination
+            if mutated is not None and (
+                    ins[mutated] not in (None, inputs[mutated].placements[i])
+                    or outs[0] != inputs[mutated].placements[i]):
+                continue  # an in-place op writes its result where its destination already is
             cost, exact = 0.0, True
             for spec, q in zip(inputs, ins):
                 if q is None:

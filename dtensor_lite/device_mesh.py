@@ -121,6 +121,13 @@ class DeviceMesh:
         self._shape = tuple(self.mesh.shape)
         self.ndim = len(self._shape)
         if _root is None:
+            if root_mesh.numel() != self._world_size:
+                # checked from the mesh alone so that every rank raises the same error: a
+                # member-only error would leave the members holding a mesh the others never built
+                raise ValueError(
+                    f"DeviceMesh {root_mesh.tolist()} holds {root_mesh.numel()} ranks but the world "
+                    f"size is {self._world_size}; a DeviceMesh must list every rank once (build one "
+                    "mesh over the whole world and slice it by name for sub-meshes)")
             in_mesh = (root_mesh == self._rank).nonzero()
             if in_mesh.numel() == 0:
                 raise ValueError(
@@ -204,7 +211,10 @@ class DeviceMesh:
 
     def _dim_group(self, mesh_dim: int) -> _DimGroup:
         """Internal: group plus coordinate bookkeeping, used by the collectives layer."""
-        if self._pg_owner is not _GROUPS._owner:
+        # compare with the *live* default group: _GROUPS._owner only moves when a mesh is built,
+        # so after destroy + init it would still match this mesh's dead groups
+        if not dist.is_initialized() or \
+                self._pg_owner is not dist.distributed_c10d._get_default_group():
             self._check_alive()
         return self._dim_groups[mesh_dim]
 
@@ -317,11 +327,11 @@ def _validate_mesh(mesh) -> torch.Tensor:
             t = torch.tensor(mesh)
         except Exception as e:  # ragged lists and the like
             raise ValueError(f"DeviceMesh mesh must be a rectangular array of ranks, got {mesh!r}") from e
-    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
-        raise ValueError(f"DeviceMesh mesh must hold integer ranks, got dtype {t.dtype}")
-    if t.ndim == 0 or t.numel() == 0:
+    if t.ndim == 0 or t.numel() == 0:  # before the dtype check: torch.tensor([]) is float
         raise ValueError(f"DeviceMesh mesh must have at least one dim and one rank, got shape "
                          f"{tuple(t.shape)}")
+    if t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool:
+        raise ValueError(f"DeviceMesh mesh must hold integer ranks, got dtype {t.dtype}")
     t = t.to(torch.int64)
     world = dist.get_world_size()
     flat = t.flatten().tolist()
