@@ -10,10 +10,11 @@ from . import ops  # noqa: F401  (registers the sharding rules)
 from .redistribute import explain_redistribute, RedistributePlan
 from .api import (distribute_tensor, distribute_module, zeros, ones, empty, full, rand, randn)
 from . import debug
+from .strategy_api import local_map, register_sharding
 
 __all__ = [
     "DeviceMesh", "init_device_mesh", "Placement", "Shard", "Replicate", "Partial", "DTensor",
     "DTensorSpec", "TensorMeta", "distribute_tensor", "distribute_module", "zeros", "ones",
-    "empty", "full", "rand", "randn", "explain_redistribute", "RedistributePlan", "debug",
+    "empty", "full", "rand", "randn", "explain_redistribute", "RedistributePlan", "debug", "register_sharding", "local_map",
 ]
 __version__ = "0.1.0"

@@ -18,3 +18,17 @@ def register(cache):
 def clear_all():
     for cache in _REGISTERED:
         cache.clear()
+
+
+_DECISION_CACHES: list = []
+
+
+def register_decisions(cache):
+    """Register a cache of op decisions: dropped on group changes *and* when a rule changes."""
+    _DECISION_CACHES.append(cache)
+    return register(cache)
+
+
+def clear_decisions():
+    for cache in _DECISION_CACHES:
+        cache.clear()

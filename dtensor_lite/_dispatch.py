@@ -23,7 +23,7 @@ from .spec import DTensorSpec, TensorMeta
 
 __all__ = ["dispatch"]
 
-_DECISIONS: dict = _caches.register({})
+_DECISIONS: dict = _caches.register_decisions({})
 _NUMBER_TYPES = (int, float, bool, complex)
 
 
@@ -228,6 +228,8 @@ def _decide(op, args, kwargs, dts) -> _Decision:
     if not dts:  # only reachable through odd subclass paths: nothing distributed here
         raise RuntimeError(f"{op}: dispatched to DTensor without DTensor arguments")
     mesh = _mesh_of(op, dts)
+    if any(a.is_out for a in op._schema.arguments) and _registry.get_rule(op) is None:
+        return _OutDecision(op)
     rule = _registry.get_rule(op)
     if rule is None:
         raise _no_rule_error(op, dts)
@@ -291,6 +293,43 @@ def _decide(op, args, kwargs, dts) -> _Decision:
             flat = False
     d.flat_positions = tuple(positions) if flat else None
     return d
+
+
+class _OutDecision:
+    """An ``out=`` overload: run the functional op (through the dispatcher, so its rule picks
+    the placements), then write the result into the ``out`` DTensors at their placements."""
+
+    def __init__(self, op):
+        self.functional = _functional_overload(op)
+        self.out_names = [a.name for a in op._schema.arguments if a.is_out]
+        self.op = op
+
+    def run(self, args, kwargs, dts, validate=False):
+        kwargs = dict(kwargs)
+        outs = [kwargs.pop(name) for name in self.out_names]
+        result = self.functional(*args, **kwargs)
+        results = result if isinstance(result, (tuple, list)) else (result,)
+        for out, res in zip(outs, results):
+            if not isinstance(out, DTensor):
+                raise ValueError(f"{self.op}: out= must be a DTensor when the inputs are DTensors")
+            if out.shape != res.shape:
+                raise ValueError(f"{self.op}: out= has shape {tuple(out.shape)} but the result "
+                                 f"has shape {tuple(res.shape)}; pass an out of the result's shape")
+            if res._spec.placements != out._spec.placements or \
+                    res._spec.shard_order != out._spec.shard_order:
+                res = res.redistribute(out.device_mesh, out.placements)
+            out._local_tensor.copy_(res._local_tensor)
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def _functional_overload(op):
+    packet = getattr(torch.ops.aten, op._schema.name.split("::")[-1])
+    wanted = [a.name for a in op._schema.arguments if not a.is_out]
+    for name in packet.overloads():
+        cand = getattr(packet, name)
+        if not cand._schema.is_mutable and [a.name for a in cand._schema.arguments] == wanted:
+            return cand
+    raise _no_rule_error(op, [])
 
 
 def _out_spec(mesh, placements, meta: torch.Tensor, order):

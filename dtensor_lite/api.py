@@ -38,8 +38,11 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
                       placements=None, *, src_data_rank: int | None = 0) -> DTensor:
     """Split a global ``tensor`` over ``device_mesh`` by ``placements``.
 
-    With ``src_data_rank`` (default 0) the values of that rank are scattered to every rank (one
-    scatter of padded pieces); with ``None`` each rank slices its own copy, with no communication.
+    With ``src_data_rank`` (default 0) the values of the rank at mesh coordinate
+    ``(src_data_rank, ..., src_data_rank)`` are scattered to every rank (one scatter of padded
+    pieces); as in PyTorch it is a rank within each mesh dim, so 0 is the first rank of the mesh
+    (global rank 0 on a full mesh). With ``None`` each rank slices its own copy, with no
+    communication.
     The result is a leaf that requires grad if ``tensor`` does.
 
     Example::
@@ -70,14 +73,20 @@ def _scatter_pieces(data: torch.Tensor, spec: DTensorSpec, src_rank: int) -> tor
     mesh = spec.mesh
     flat = _flat_mesh(mesh)
     ranks = flat.mesh.tolist()
-    if src_rank not in ranks:
-        raise ValueError(f"src_data_rank={src_rank} is not a rank of {mesh}")
-    src_coord = ranks.index(src_rank)
+    # As in PyTorch, src_data_rank is a rank *within* each mesh dim (group rank), not a global
+    # rank: the source is the rank at coordinate (s, ..., s). So the default 0 works on any
+    # sub-mesh (e.g. mesh["tp"] on the ranks {2, 3}), and means global rank 0 on a full mesh.
+    if isinstance(src_rank, bool) or not isinstance(src_rank, int) or \
+            not all(0 <= src_rank < n for n in mesh.shape):
+        raise ValueError(f"src_data_rank={src_rank!r} must be None or a rank within each dim of "
+                         f"{mesh} (0 <= src_data_rank < {min(mesh.shape)})")
+    src_global = int(mesh.mesh[(src_rank,) * mesh.ndim])
+    src_coord = ranks.index(src_global)
     coords = [tuple(int(c) for c in (mesh.mesh == r).nonzero()[0]) for r in ranks]
     sizes = [math.prod(spec.local_shape_and_offset(c)[0]) for c in coords]
     chunk = max(sizes)
     chunks = None
-    if flat.get_rank() == src_rank:
+    if flat.get_rank() == src_global:
         chunks = []
         for c, size in zip(coords, sizes):
             piece = local_piece(data, spec, c).reshape(-1)

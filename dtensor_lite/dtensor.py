@@ -269,29 +269,58 @@ def _default_mesh(like: torch.Tensor) -> DeviceMesh:
 
 
 def _checked_global_shape(local, mesh, placements, shape):
-    """Gather every rank's local shape to derive the exact global shape (run_check=True)."""
-    from .collectives import all_gather
-    from .collectives import broadcast
+    """Gather every rank's local shape to derive the exact global shape (run_check=True).
+
+    Every check ends in a verdict that all ranks share (an all-reduce over every mesh dim), so a
+    bad piece on one rank makes *every* rank raise instead of leaving the others to hang later.
+    """
+    from .collectives import all_gather, all_reduce, broadcast
     device = local.device if local.device.type != "meta" else "cpu"
+    all_dims = range(mesh.ndim)
+
+    def everywhere_max(values):
+        t = torch.tensor(values, dtype=torch.int64, device=device)
+        for i in all_dims:
+            t = all_reduce(t, mesh, i, "max")
+        return t.tolist()
+
     # sum the piece lengths over each sharding mesh dim, innermost (last) mesh dim first
     global_shape = list(local.shape)
-    for i in reversed(range(mesh.ndim)):
+    for i in reversed(all_dims):
         p = placements[i]
         if p.is_shard():
             lens = all_gather(torch.tensor([global_shape[p.dim]], device=device), mesh, i)
             global_shape[p.dim] = int(lens.sum())
+    # the ranks must agree on the global shape, and each piece must be the torch.chunk piece
+    expected = DTensorSpec(mesh, placements, TensorMeta(
+        torch.Size(global_shape), _contiguous_stride(global_shape), local.dtype)).local_shape()
+    bad_piece = int(tuple(local.shape) != tuple(expected))
+    verdict = everywhere_max(global_shape + [-s for s in global_shape] + [bad_piece])
+    n = len(global_shape)
+    if verdict[:n] != [-s for s in verdict[n:2 * n]] or verdict[-1]:
+        raise ValueError(
+            f"from_local(run_check=True): the local pieces do not form one global tensor under "
+            f"placements {list(placements)} (rank {mesh.get_rank()} holds "
+            f"{tuple(local.shape)}, and derives global shape {tuple(global_shape)} in which it "
+            f"should hold {tuple(expected)}); shards must follow torch.chunk and agree on the "
+            "dims they do not split")
     if shape is not None and tuple(shape) != tuple(global_shape):
         raise ValueError(f"from_local: shape={tuple(shape)} but the ranks' pieces add up to "
                          f"{tuple(global_shape)} for placements {list(placements)}")
+    differs = []
     for i, p in enumerate(placements):
         if p.is_replicate():
             ref = local.clone()
             broadcast(ref, mesh, i, 0)
             if not torch.equal(ref, local):
-                raise ValueError(
-                    f"from_local(run_check=True): the Replicate pieces on mesh dim {i} differ "
-                    f"between ranks (rank {mesh.get_rank()} differs from coordinate 0)")
-    return torch.Size(global_shape)  # from_local then checks each piece is torch.chunk's
+                differs.append(i)
+    if any(p.is_replicate() for p in placements) and everywhere_max([int(bool(differs))])[0]:
+        where = (f"rank {mesh.get_rank()} differs from coordinate 0 on mesh dims {differs}"
+                 if differs else f"rank {mesh.get_rank()} matches; another rank differs")
+        raise ValueError(
+            f"from_local(run_check=True): the Replicate pieces differ between ranks ({where}); "
+            f"placements {list(placements)}")
+    return torch.Size(global_shape)
 
 
 from . import _dispatch  # noqa: E402  (the dispatcher needs DTensor defined first)
