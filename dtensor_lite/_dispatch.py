@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_map
 from . import _caches
 from .dtensor import DTensor, _redistribute_local
 from .ops import _registry
-from .ops._registry import FullStrategy, OpCall
+from .ops._registry import Decompose, FullStrategy, OpCall
 from .spec import DTensorSpec, TensorMeta
 
 __all__ = ["dispatch"]
@@ -77,8 +77,7 @@ def dispatch(op, args, kwargs):
         d = _decide(op, args, kwargs, dts)
         _DECISIONS[key] = d
         return d.run(args, kwargs, dts, validate=True)
-    if d.needs_redistribute or d.flat_positions is None or d.out_kind != "tensor" \
-            or d.mutated is not None:
+    if not d.fast:
         return d.run(args, kwargs, dts)
     # cache hit of the common shape: DTensors at top level, one fresh tensor out
     largs = list(args)
@@ -102,7 +101,7 @@ class _Decision:
     """What to do for one (op, input specs, non-tensor args) combination."""
 
     __slots__ = ("op", "targets", "out_specs", "out_kind", "local_fn", "flat_positions",
-                 "mutated", "needs_redistribute", "out_shape", "out_stride", "out_dtype")
+                 "mutated", "needs_redistribute", "out_shape", "out_stride", "out_dtype", "fast")
 
     def run(self, args, kwargs, dts, validate=False):
         targets = self.targets
@@ -238,6 +237,8 @@ def _decide(op, args, kwargs, dts) -> _Decision:
     call = OpCall(op, spec_args, spec_kwargs, inputs, mesh)
     mutated = _mutated_arg(op, args, kwargs, dts)
     result = rule(call)
+    if isinstance(result, Decompose):
+        return _DecomposeDecision(result.fn)
     if isinstance(result, FullStrategy):
         full = result
     else:
@@ -292,12 +293,29 @@ def _decide(op, args, kwargs, dts) -> _Decision:
         elif isinstance(a, (list, tuple)) and any(isinstance(x, DTensor) for x in a):
             flat = False
     d.flat_positions = tuple(positions) if flat else None
+    # the common case that dispatch() runs inline: nothing to move, one fresh tensor out
+    d.fast = (not d.needs_redistribute and d.flat_positions is not None and d.out_kind == "tensor"
+              and d.mutated is None)
     return d
+
+
+class _DecomposeDecision:
+    """A rule chose to run a composition of DTensor ops instead of the op itself."""
+
+    fast = False
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def run(self, args, kwargs, dts, validate=False):
+        return self.fn(*args, **kwargs)
 
 
 class _OutDecision:
     """An ``out=`` overload: run the functional op (through the dispatcher, so its rule picks
     the placements), then write the result into the ``out`` DTensors at their placements."""
+
+    fast = False
 
     def __init__(self, op):
         self.functional = _functional_overload(op)

@@ -7,6 +7,7 @@ A rule is a function ``rule(call: OpCall)`` returning either
   order. The dispatcher expands them over every mesh dim, picking per dim the strategy that moves
   the least data (ties: the one that moves nothing, then list order). This is the shape PyTorch's
   ``register_sharding`` uses, and most rules are a few lines of it; or
+* a :class:`Decompose` running a composition of other (DTensor) ops instead; or
 * a :class:`FullStrategy` spelling out every mesh dim at once, optionally with a ``local_fn`` that
   replaces the op on local pieces (used where the local computation differs from the global one,
   e.g. a mean over a sharded dim, or a vocab-sharded embedding lookup).
@@ -23,7 +24,7 @@ import torch
 
 from ..spec import DTensorSpec
 
-__all__ = ["OpCall", "FullStrategy", "register_rule", "get_rule", "RULES"]
+__all__ = ["OpCall", "FullStrategy", "Decompose", "register_rule", "get_rule", "RULES"]
 
 RULES: dict = {}
 
@@ -58,6 +59,14 @@ class FullStrategy:
     local_fn: Callable | None = None
     out_orders: Sequence | None = None
     in_orders: Sequence | None = None
+
+
+@dataclass
+class Decompose:
+    """Run ``fn(*args, **kwargs)`` on the DTensor arguments instead of the op: each op inside is
+    dispatched (and resharded) on its own. For ops whose sharded form is a short composition of
+    supported ops, e.g. an exact variance over a sharded dim as mean, then squared deviations."""
+    fn: Callable
 
 
 def register_rule(*ops):
