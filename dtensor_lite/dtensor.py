@@ -202,13 +202,41 @@ class _FromLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local, spec):
         ctx.spec = spec
+        if any(p.is_partial() and p.reduce_op != "sum" for p in spec.placements):
+            ctx.save_for_backward(local)  # max/min need to know which rank held the extreme
         return DTensor(local.view_as(local), spec)
 
     @staticmethod
     def backward(ctx, grad):
         grad = _as_grad_dtensor(grad, ctx.spec)
         target = _grad_target(ctx.spec, grad._spec)
-        return _redistribute_local(grad, target), None
+        local_grad = _redistribute_local(grad, target)
+        if ctx.saved_tensors:
+            local_grad = _partial_local_grad(local_grad, ctx.saved_tensors[0], ctx.spec)
+        return local_grad, None
+
+
+def _partial_local_grad(grad: torch.Tensor, local: torch.Tensor, spec: DTensorSpec):
+    """d(global)/d(local piece) for Partial reductions other than sum: avg spreads the gradient
+    evenly (1/n), max/min send it to the rank(s) holding the extreme, split evenly among ties
+    (as torch.amax's backward does)."""
+    from . import collectives
+    extreme_dims = [i for i, p in enumerate(spec.placements) if p.is_partial() and
+                    p.reduce_op in ("max", "min")]
+    for i, p in enumerate(spec.placements):
+        if p.is_partial("avg"):
+            grad = grad / spec.mesh.shape[i]
+    if extreme_dims:
+        op = spec.placements[extreme_dims[0]].reduce_op
+        extreme = local.detach()
+        for i in extreme_dims:  # the global extreme is over every max/min mesh dim together
+            extreme = collectives.all_reduce(extreme, spec.mesh, i, op)
+        holds = (local.detach() == extreme).to(grad.dtype)
+        ties = holds
+        for i in extreme_dims:
+            ties = collectives.all_reduce(ties, spec.mesh, i, "sum")
+        grad = grad * holds / ties
+    return grad
 
 
 class _ToLocal(torch.autograd.Function):

@@ -18,3 +18,14 @@ def _harness_pools():
     """Stop the persistent worker pools when the session ends (atexit is the backstop)."""
     yield
     shutdown_pools()
+
+
+# Tests append human-readable summary lines here (e.g. OpInfo coverage); printed after the run.
+SUMMARY_LINES: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter):
+    if SUMMARY_LINES:
+        terminalreporter.section("dtensor_lite coverage")
+        for line in SUMMARY_LINES:
+            terminalreporter.write_line(line)
