@@ -107,6 +107,7 @@ class DeviceMesh:
             self._root_dims = tuple((d,) for d in range(mesh_tensor.ndim))
             self._flat_names: dict[str, tuple[int, ...]] = {}
         else:
+            _root._check_alive()  # a slice of a dead mesh must not quietly get the new groups
             self._root = _root
             self._root_mesh = _root._root_mesh
             self._root_dims = _root_dims

@@ -15,6 +15,7 @@ from .device_mesh import DeviceMesh
 from .placements import Partial, Placement, Replicate, Shard
 from .redistribute import plan_redistribute, run_plan
 from .spec import DTensorSpec, TensorMeta, normalize_placements
+from . import _caches
 
 __all__ = ["DTensor"]
 
@@ -277,22 +278,22 @@ class _Redistribute(torch.autograd.Function):
         return DTensor(_redistribute_local(grad, target), target), None
 
 
-_DEFAULT_MESHES: dict = {}
+_DEFAULT_MESHES: dict = _caches.register({})  # device type -> 1-D world mesh
 
 
 def _default_mesh(like: torch.Tensor) -> DeviceMesh:
     """A 1-D mesh over the whole world, used when a call gives no device_mesh."""
-    from . import _caches
-    from .device_mesh import init_device_mesh
+    from .device_mesh import _GROUPS, init_device_mesh
     if not dist.is_initialized():
         raise RuntimeError("no device_mesh given and torch.distributed is not initialised")
+    # after destroy + init this drops every cache (this one included), so the default mesh is
+    # rebuilt on the new group instead of failing as "destroyed"
+    _GROUPS.owner()
     device_type = "cuda" if like.is_cuda else "cpu"
-    if device_type not in _DEFAULT_MESHES:
-        if not _DEFAULT_MESHES:
-            _caches.register(_DEFAULT_MESHES)
-        _DEFAULT_MESHES[device_type] = init_device_mesh(device_type, (dist.get_world_size(),))
-    mesh = _DEFAULT_MESHES[device_type]
-    mesh._check_alive()
+    mesh = _DEFAULT_MESHES.get(device_type)
+    if mesh is None:
+        mesh = _DEFAULT_MESHES[device_type] = init_device_mesh(device_type,
+                                                               (dist.get_world_size(),))
     return mesh
 
 

@@ -117,8 +117,10 @@ _INTERNED: dict = _caches.register({})
 class DTensorSpec:
     """(mesh, placements, tensor_meta, shard_order) of a DTensor; hashable and comparable.
 
-    Specs are interned: constructing an equal spec returns the existing object, so equality is
-    identity and hashing is the C-level object hash. That keeps the dispatcher's per-op cache
+    Specs are interned: constructing an equal spec (on the same mesh *object*) returns the
+    existing object, so equality is identity and hashing is the C-level object hash. Specs on
+    two equal-valued but distinct meshes differ; comparisons that mean "same mesh" go through
+    ``DeviceMesh.__eq__``. That keeps the dispatcher's per-op cache
     lookup (a tuple of specs) free of Python-level ``__hash__`` / ``__eq__`` calls.
     """
 
@@ -139,7 +141,10 @@ class DTensorSpec:
             shard_order = tuple(tuple(o) for o in shard_order)
             if tuple(tuple(sorted(o)) for o in shard_order) != default:
                 raise ValueError(f"shard_order {shard_order} does not match placements {placements}")
-        key = (mesh, placements, tensor_meta, shard_order)
+        # keyed by the mesh *object*: equal meshes are not interchangeable (each root knows its
+        # own flattened dim names), and dt.device_mesh must be the mesh the caller passed. The
+        # interned spec holds the mesh, so its id cannot be reused while the entry lives.
+        key = (id(mesh), placements, tensor_meta, shard_order)
         spec = _INTERNED.get(key)
         if spec is not None:
             return spec

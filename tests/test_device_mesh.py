@@ -1,0 +1,351 @@
+"""DeviceMesh: shapes, coordinates, groups that really connect the right ranks, slicing,
+flattening, non-sorted rank layouts and clear errors. Runs on real gloo process groups."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dtensor_lite import (DeviceMesh, Partial, Replicate, Shard, distribute_tensor,
+                          init_device_mesh)
+from tests.harness import distributed, run_distributed
+
+
+def _group_sum(value, group) -> float:
+    """all_reduce(SUM) of ``value`` over ``group``: proves which ranks the group connects."""
+    t = torch.tensor([float(value)])
+    dist.all_reduce(t, group=group)
+    return t.item()
+
+
+# ----------------------------------------------------------------------------- 1-D
+
+
+@distributed(world_size=2)
+def test_1d_mesh_basics():
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2,))
+    assert mesh.ndim == 1
+    assert mesh.shape == (2,)
+    assert mesh.size() == 2 and mesh.size(0) == 2
+    assert mesh.mesh.tolist() == [0, 1]
+    assert mesh.mesh_dim_names is None
+    assert mesh.device_type == "cpu"
+    assert mesh.get_rank() == rank
+    assert mesh.get_coordinate() == [rank]
+    assert mesh.get_local_rank() == rank and mesh.get_local_rank(0) == rank
+    assert _group_sum(rank + 1, mesh.get_group()) == 3.0
+    assert mesh.get_all_groups() == [mesh.get_group(0)]
+
+    named = init_device_mesh("cpu", 2, mesh_dim_names=("dp",))  # an int shape is accepted too
+    assert named.mesh_dim_names == ("dp",)
+    assert named.size("dp") == 2
+    assert named.get_local_rank("dp") == rank
+    assert named["dp"] is named  # slicing a 1-D mesh by its own name is the mesh itself
+    assert _group_sum(rank + 1, named.get_group("dp")) == 3.0
+
+
+@distributed(world_size=2)
+def test_1d_explicit_reversed_mesh():
+    """Ranks listed in reverse: coordinates follow the listing, not the rank number."""
+    rank = dist.get_rank()
+    mesh = DeviceMesh("cpu", [1, 0])
+    assert mesh.get_coordinate() == [1 - rank]
+    assert _group_sum(rank, mesh.get_group()) == 1.0
+    x = torch.arange(10.0).reshape(5, 2)
+    d = distribute_tensor(x, mesh, [Shard(0)])
+    torch.testing.assert_close(d.to_local(), torch.chunk(x, 2)[1 - rank])
+    torch.testing.assert_close(d.full_tensor(), x)
+
+
+# ----------------------------------------------------------------------------- 2-D
+
+
+@distributed(world_size=4)
+def test_2d_mesh_shape_coordinates_and_groups():
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp, tp = divmod(rank, 2)
+    assert mesh.ndim == 2
+    assert mesh.shape == (2, 2)
+    assert mesh.size() == 4 and mesh.size(0) == 2 and mesh.size("tp") == 2
+    assert mesh.mesh.tolist() == [[0, 1], [2, 3]]
+    assert mesh.mesh_dim_names == ("dp", "tp")
+    assert mesh.get_coordinate() == [dp, tp]
+    assert mesh.get_local_rank("dp") == dp and mesh.get_local_rank(0) == dp
+    assert mesh.get_local_rank("tp") == tp and mesh.get_local_rank(1) == tp
+    assert mesh.get_local_rank(-1) == tp
+
+    # tp groups are the rows {0,1} and {2,3}; dp groups the columns {0,2} and {1,3}
+    assert _group_sum(rank, mesh["tp"].get_group()) == [1.0, 5.0][dp]
+    assert _group_sum(rank, mesh.get_group("tp")) == [1.0, 5.0][dp]
+    assert _group_sum(rank, mesh["dp"].get_group()) == [2.0, 4.0][tp]
+    assert _group_sum(rank, mesh.get_group(0)) == [2.0, 4.0][tp]
+    groups = mesh.get_all_groups()
+    assert len(groups) == 2
+    assert groups[0] is mesh.get_group(0) and groups[1] is mesh.get_group(1)
+
+
+@distributed(world_size=4)
+def test_2d_mesh_get_local_rank_and_group_need_a_dim():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with pytest.raises(ValueError, match="mesh_dim"):
+        mesh.get_local_rank()
+    with pytest.raises(ValueError, match="mesh_dim"):
+        mesh.get_group()
+    with pytest.raises(KeyError, match="'pp'"):
+        mesh.get_local_rank("pp")
+    with pytest.raises(IndexError, match="out of range"):
+        mesh.size(2)
+
+
+@distributed(world_size=4)
+def test_2d_mesh_slicing():
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dp, tp = divmod(rank, 2)
+
+    tp_mesh = mesh["tp"]
+    assert tp_mesh.ndim == 1 and tp_mesh.shape == (2,)
+    assert tp_mesh.mesh_dim_names == ("tp",)
+    assert tp_mesh.mesh.tolist() == [[0, 1], [2, 3]][dp]
+    assert tp_mesh.get_coordinate() == [tp]
+    assert tp_mesh.get_local_rank() == tp
+
+    dp_mesh = mesh["dp"]
+    assert dp_mesh.mesh.tolist() == [[0, 2], [1, 3]][tp]
+    assert dp_mesh.get_coordinate() == [dp]
+
+    both = mesh["dp", "tp"]
+    assert both.shape == (2, 2)
+    assert both.mesh.tolist() == [[0, 1], [2, 3]]
+    assert both.get_coordinate() == [dp, tp]
+
+    # a DTensor on a sliced mesh shards over that slice only
+    x = torch.arange(8.0)
+    d = distribute_tensor(x, tp_mesh, [Shard(0)])
+    torch.testing.assert_close(d.to_local(), x.chunk(2)[tp])
+    torch.testing.assert_close(d.full_tensor(), x)
+
+
+@distributed(world_size=4)
+def test_groups_are_shared_between_meshes_and_slices():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    assert mesh["tp"].get_group() is mesh.get_group(1)
+    assert mesh["dp"].get_group() is mesh.get_group(0)
+    assert mesh["tp"].get_group() is mesh.get_group("tp")
+    # an equal mesh built again reuses the groups instead of creating new ones
+    again = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    assert again.get_group(0) is mesh.get_group(0)
+    assert again.get_group(1) is mesh.get_group(1)
+    assert again == mesh and hash(again) == hash(mesh)
+    # the whole world is the default group, not a copy of it
+    world = init_device_mesh("cpu", (4,))
+    assert world.get_group() is dist.distributed_c10d._get_default_group()
+
+
+@distributed(world_size=4)
+@pytest.mark.parametrize("spelling", ["_flatten", "flatten"])
+def test_2d_mesh_flatten(spelling):
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    name = "dp_tp" + spelling  # a fresh name per test: names are remembered by the root mesh
+    flat = getattr(mesh["dp", "tp"], spelling)(name)
+    assert flat.ndim == 1
+    assert flat.shape == (4,)
+    assert flat.mesh_dim_names == (name,)
+    assert flat.mesh.tolist() == [0, 1, 2, 3]
+    assert flat.get_coordinate() == [rank]
+    assert flat.get_local_rank() == rank
+    assert _group_sum(rank, flat.get_group()) == 6.0
+    # the root mesh now knows the flattened name
+    again = mesh[name]
+    assert again.mesh.tolist() == [0, 1, 2, 3]
+    assert again.get_group() is flat.get_group()
+    assert _group_sum(1, again.get_group()) == 4.0
+    # flattening does not disturb the original dims
+    assert mesh.shape == (2, 2)
+    assert _group_sum(rank, mesh["tp"].get_group()) == [1.0, 5.0][rank // 2]
+
+
+@distributed(world_size=4)
+def test_flatten_name_clash_is_an_error():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with pytest.raises(ValueError, match="already names"):
+        mesh["dp", "tp"]._flatten("tp")
+
+
+# ----------------------------------------------------------------------------- 3-D
+
+
+@distributed(world_size=8)
+def test_3d_mesh():
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2, 2), mesh_dim_names=("pp", "dp", "tp"))
+    ref = torch.arange(8).reshape(2, 2, 2)
+    pp, dp, tp = rank // 4, (rank // 2) % 2, rank % 2
+    assert mesh.ndim == 3 and mesh.shape == (2, 2, 2) and mesh.size() == 8
+    assert mesh.mesh.tolist() == ref.tolist()
+    assert mesh.get_coordinate() == [pp, dp, tp]
+    for i, (name, c) in enumerate(zip(("pp", "dp", "tp"), (pp, dp, tp))):
+        assert mesh.get_local_rank(name) == c
+        assert mesh.get_local_rank(i) == c
+        assert mesh.size(name) == 2
+
+    # each dim's group: the ranks that differ from this one only along that dim
+    rows = {"pp": ref[:, dp, tp], "dp": ref[pp, :, tp], "tp": ref[pp, dp, :]}
+    for name, row in rows.items():
+        assert _group_sum(rank, mesh.get_group(name)) == float(row.sum())
+        assert mesh[name].mesh.tolist() == row.tolist()
+
+    # two-name slices
+    sub = mesh["dp", "tp"]
+    assert sub.shape == (2, 2)
+    assert sub.mesh.tolist() == ref[pp].tolist()
+    assert sub.get_coordinate() == [dp, tp]
+    sub2 = mesh["pp", "tp"]
+    assert sub2.mesh.tolist() == ref[:, dp, :].tolist()
+    assert sub2.get_coordinate() == [pp, tp]
+    assert sub2.get_group("tp") is mesh.get_group("tp")
+    assert _group_sum(rank, sub2.get_group("pp")) == float(ref[:, dp, tp].sum())
+
+    # flatten adjacent and non-adjacent dims
+    flat = mesh["dp", "tp"]._flatten("dp_tp_3d")
+    assert flat.mesh.tolist() == ref[pp].flatten().tolist()
+    assert flat.get_coordinate() == [dp * 2 + tp]
+    assert _group_sum(rank, flat.get_group()) == float(ref[pp].sum())
+    assert mesh["dp_tp_3d"].get_group() is flat.get_group()
+    assert mesh["pp", "dp_tp_3d"].shape == (2, 4)
+
+    flat2 = mesh["pp", "tp"].flatten("pp_tp_3d")
+    assert flat2.mesh.tolist() == ref[:, dp, :].flatten().tolist()
+    assert flat2.get_coordinate() == [pp * 2 + tp]
+    assert _group_sum(rank, mesh["pp_tp_3d"].get_group()) == float(ref[:, dp, :].sum())
+
+    # a DTensor over the 3-D mesh round-trips
+    x = torch.arange(60.0).reshape(6, 10)
+    d = distribute_tensor(x, mesh, [Shard(0), Replicate(), Shard(1)])
+    torch.testing.assert_close(d.to_local(), x.chunk(2, 0)[pp].chunk(2, 1)[tp])
+    torch.testing.assert_close(d.full_tensor(), x)
+
+
+# ----------------------------------------------------------------------------- non-sorted
+
+
+@distributed(world_size=4)
+def test_non_sorted_2d_mesh():
+    rank = dist.get_rank()
+    layout = [[3, 1], [2, 0]]
+    mesh = DeviceMesh("cpu", layout, mesh_dim_names=("a", "b"))
+    coord = {3: [0, 0], 1: [0, 1], 2: [1, 0], 0: [1, 1]}[rank]
+    assert mesh.mesh.tolist() == layout
+    assert mesh.get_coordinate() == coord
+    assert mesh.get_local_rank("a") == coord[0] and mesh.get_local_rank("b") == coord[1]
+    assert mesh["b"].mesh.tolist() == layout[coord[0]]
+    assert mesh["a"].mesh.tolist() == [layout[0][coord[1]], layout[1][coord[1]]]
+    # groups: rows {3,1} / {2,0} along "b", columns {3,2} / {1,0} along "a"
+    assert _group_sum(rank, mesh.get_group("b")) == float(sum(layout[coord[0]]))
+    assert _group_sum(rank, mesh.get_group("a")) == float(layout[0][coord[1]] + layout[1][coord[1]])
+
+    x = torch.arange(42.0).reshape(7, 6)
+    # 1-D DTensor over a non-sorted flattened view
+    flat = mesh["a", "b"]._flatten("ab_nonsorted")
+    assert flat.mesh.tolist() == [3, 1, 2, 0]
+    d1 = distribute_tensor(x, flat, [Shard(0)])
+    pieces = torch.tensor_split(x, [2, 4, 6])  # chunk(7 rows, 4): 2, 2, 2, 1
+    torch.testing.assert_close(d1.to_local(), pieces[[3, 1, 2, 0].index(rank)])
+    torch.testing.assert_close(d1.full_tensor(), x)
+
+    # 2-D: every collective kind must put pieces back in mesh order, not rank order
+    d = distribute_tensor(x, mesh, [Shard(0), Shard(1)])
+    torch.testing.assert_close(d.to_local(), x.chunk(2, 0)[coord[0]].chunk(2, 1)[coord[1]])
+    torch.testing.assert_close(d.full_tensor(), x)
+    s = d.redistribute(mesh, [Shard(1), Shard(0)])  # all_to_all on both dims
+    torch.testing.assert_close(s.to_local(), x.chunk(2, 1)[coord[0]].chunk(2, 0)[coord[1]])
+    torch.testing.assert_close(s.full_tensor(), x)
+    p = distribute_tensor(x, mesh, [Partial(), Partial()])
+    rs = p.redistribute(mesh, [Shard(0), Shard(1)])  # reduce_scatter on both dims
+    torch.testing.assert_close(rs.to_local(), x.chunk(2, 0)[coord[0]].chunk(2, 1)[coord[1]])
+    torch.testing.assert_close(p.full_tensor(), x)
+
+
+# ----------------------------------------------------------------------------- errors
+
+
+@distributed(world_size=4)
+def test_mesh_size_must_match_world_size():
+    with pytest.raises(ValueError, match="world size is 4"):
+        init_device_mesh("cpu", (3,))
+    with pytest.raises(ValueError, match="world size is 4"):
+        init_device_mesh("cpu", (2, 4))
+    # an explicit mesh over a subset of the world: the same clear error on *every* rank (a
+    # member-only error would leave ranks 0 and 1 holding a mesh the others never built)
+    with pytest.raises(ValueError, match="world size"):
+        DeviceMesh("cpu", [0, 1])
+    with pytest.raises(ValueError, match="world size"):
+        DeviceMesh("cpu", [[0], [1], [2]])
+
+
+@distributed(world_size=4)
+def test_unknown_dim_name_in_slicing():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with pytest.raises(KeyError, match="'pp'.*available"):
+        mesh["pp"]
+    with pytest.raises(KeyError, match="'pp'"):
+        mesh["dp", "pp"]
+    with pytest.raises(ValueError, match="duplicate"):
+        mesh["tp", "tp"]
+    with pytest.raises(TypeError, match="by dim names"):
+        mesh[0]
+    unnamed = init_device_mesh("cpu", (2, 2))
+    with pytest.raises(KeyError, match="'tp'"):
+        unnamed["tp"]
+
+
+@distributed(world_size=4)
+def test_bad_mesh_dim_names():
+    with pytest.raises(ValueError, match="unique"):
+        init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "dp"))
+    with pytest.raises(ValueError, match="unique"):
+        DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("x", "x"))
+    with pytest.raises(ValueError, match="3 names for a 2-D mesh"):
+        init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b", "c"))
+    with pytest.raises(ValueError, match="1 names for a 2-D mesh"):
+        DeviceMesh("cpu", [[0, 1], [2, 3]], mesh_dim_names=("a",))
+    with pytest.raises(ValueError, match="2 names for a 1-D mesh"):
+        init_device_mesh("cpu", (4,), mesh_dim_names=("a", "b"))
+
+
+@distributed(world_size=4)
+def test_bad_explicit_meshes():
+    with pytest.raises(ValueError, match=r"ranks \[5\] outside the world \[0, 4\)"):
+        DeviceMesh("cpu", [[0, 1], [2, 5]])
+    with pytest.raises(ValueError, match=r"ranks \[-1\] outside the world"):
+        DeviceMesh("cpu", [0, 1, 2, -1])
+    with pytest.raises(ValueError, match="duplicate ranks"):
+        DeviceMesh("cpu", [[0, 1], [1, 2]])
+    with pytest.raises(ValueError, match="integer ranks"):
+        DeviceMesh("cpu", [0.0, 1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match="rectangular"):
+        DeviceMesh("cpu", [[0, 1, 2], [3]])
+    with pytest.raises(ValueError, match="at least one"):
+        DeviceMesh("cpu", [])
+
+
+@distributed(world_size=4)
+@pytest.mark.parametrize("shape", [(0,), (4, 0), (-2, -2), (-4,), ()])
+def test_bad_mesh_shape(shape):
+    with pytest.raises(ValueError, match="positive ints"):
+        init_device_mesh("cpu", shape)
+
+
+def _old_style_device_type():
+    try:
+        init_device_mesh("cpu:0", (2,))
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def test_device_type_with_index_is_rejected():
+    msgs = run_distributed(2, _old_style_device_type)
+    assert all(m is not None and "not a device" in m for m in msgs)
