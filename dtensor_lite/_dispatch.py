@@ -10,7 +10,6 @@ the local tensors, run the local op, and build the output wrappers.
 """
 from __future__ import annotations
 
-import math
 
 import torch
 from torch.utils._pytree import tree_map
@@ -18,6 +17,7 @@ from torch.utils._pytree import tree_map
 from . import _caches
 from .dtensor import DTensor, _redistribute_local
 from .ops import _registry
+from .ops._expansion import expand_strategies
 from .ops._registry import Decompose, FullStrategy, OpCall
 from .spec import DTensorSpec, TensorMeta
 
@@ -79,11 +79,13 @@ def dispatch(op, args, kwargs):
         return d.run(args, kwargs, dts, validate=True)
     if not d.fast:
         return d.run(args, kwargs, dts)
-    # cache hit of the common shape: DTensors at top level, one fresh tensor out
+    # cache hit of the common shape: DTensors at top level, nothing to move
     largs = list(args)
     for pos, dt in zip(d.flat_positions, dts):
         largs[pos] = dt._local_tensor
     out = d.local_fn(*largs, **kwargs)
+    if d.mutated is not None:
+        return dts[d.mutated]  # in-place: the destination DTensor already has the right spec
     spec = d.out_specs
     r = _make_wrapper(DTensor, d.out_shape, strides=d.out_stride, dtype=d.out_dtype,
                       device=out.device, layout=out.layout, requires_grad=False)
@@ -242,7 +244,7 @@ def _decide(op, args, kwargs, dts) -> _Decision:
     if isinstance(result, FullStrategy):
         full = result
     else:
-        full = _expand(call, list(result), mutated)
+        full = expand_strategies(call, list(result), mutated)
     # ops returning no tensor (item(), is_same_size, ...) have no output metadata to infer
     returns_tensor = any("Tensor" in str(r.type) for r in op._schema.returns)
     meta_out = _meta_outputs(op, args, kwargs) if returns_tensor else None
@@ -294,8 +296,7 @@ def _decide(op, args, kwargs, dts) -> _Decision:
             flat = False
     d.flat_positions = tuple(positions) if flat else None
     # the common case that dispatch() runs inline: nothing to move, one fresh tensor out
-    d.fast = (not d.needs_redistribute and d.flat_positions is not None and d.out_kind == "tensor"
-              and d.mutated is None)
+    d.fast = not d.needs_redistribute and d.flat_positions is not None and d.out_kind == "tensor"
     return d
 
 
@@ -360,111 +361,5 @@ def _out_spec(mesh, placements, meta: torch.Tensor, order):
                        order)
 
 
-# ------------------------------------------------------------------ per-mesh-dim expansion
-def _estimate(spec: DTensorSpec, i: int, p, q) -> float:
-    """Rough bytes to move ``spec`` from p to q on mesh dim i (exact plans come later)."""
-    n = spec.mesh.shape[i]
-    local = math.prod(spec.local_shape_and_offset((0,) * spec.mesh.ndim)[0]) * spec.dtype.itemsize
-    if p.is_replicate():
-        return 0.0
-    if p.is_shard():
-        if q.is_replicate():
-            return (n - 1) * local
-        if q.is_shard():
-            return (n - 1) / n * local
-        return 0.0
-    if q.is_shard():
-        return (n - 1) / n * local
-    if q.is_partial() and {p.reduce_op, q.reduce_op} <= {"sum", "avg"}:
-        return 0.0
-    return 2 * (n - 1) / n * local
-
-
-def _normalize_strategy(s, n_inputs):
-    outs, ins = s
-    if not isinstance(outs, (list, tuple)):
-        outs = (outs,)
-    ins = tuple(ins)
-    if len(ins) != n_inputs:
-        raise RuntimeError(f"sharding strategy {s} lists {len(ins)} input placements for "
-                           f"{n_inputs} DTensor inputs (a bug in the rule)")
-    return tuple(outs), ins
-
-
-def _expand(call: OpCall, strategies, mutated) -> FullStrategy:
-    inputs = call.inputs
-    strategies = [_normalize_strategy(s, len(inputs)) for s in strategies]
-    mesh_ndim = call.mesh.ndim
-    chosen = []
-    for i in range(mesh_ndim):
-        best = None
-        for k, (outs, ins) in enumerate(strategies):
-            if mutated is not None and (
-                    ins[mutated] not in (None, inputs[mutated].placements[i])
-                    or outs[0] != inputs[mutated].placements[i]):
-                continue  # an in-place op writes its result where its destination already is
-            cost, exact = 0.0, True
-            for spec, q in zip(inputs, ins):
-                if q is None:
-                    continue
-                p = spec.placements[i]
-                if p != q:
-                    exact = False
-                    cost += _estimate(spec, i, p, q)
-            rank = (cost, not exact, k)
-            if best is None or rank < best[0]:
-                best = (rank, outs, ins)
-        if best is None:
-            raise RuntimeError(
-                f"{call.op}: no sharding strategy keeps the in-place destination's placement "
-                f"{list(inputs[mutated].placements)}; use the out-of-place op")
-        chosen.append(best)
-    n_out = max(len(c[1]) for c in chosen)
-    outs = []
-    for k in range(n_out):
-        pl = [c[1][k] if k < len(c[1]) else None for c in chosen]
-        outs.append(None if any(p is None for p in pl) else tuple(pl))
-    ins = []
-    for j in range(len(inputs)):
-        pl = [c[2][j] for c in chosen]
-        ins.append(None if all(p is None for p in pl) else tuple(
-            inputs[j].placements[i] if p is None else p for i, p in enumerate(pl)))
-    in_orders, out_orders = _transfer_orders(inputs, ins, outs)
-    return FullStrategy(outs, ins, None, out_orders, in_orders)
-
-
-def _transfer_orders(inputs, ins, outs):
-    """Carry a non-default shard order (e.g. FSDP over TP) from an input that keeps its
-    placements to the other inputs and outputs: mesh dims splitting one tensor dim keep the same
-    relative order everywhere, so the local pieces still line up."""
-    ranking = None
-    for spec, want in zip(inputs, ins):
-        if not spec.has_default_order and (want is None or tuple(want) == spec.placements):
-            ranking = {}
-            for order in spec.shard_order:
-                for pos, i in enumerate(order):
-                    ranking[i] = pos
-            break
-    if ranking is None:
-        return None, None
-
-    def order_for(placements):
-        if placements is None:
-            return None
-        per_dim: dict = {}
-        for i, p in enumerate(placements):
-            if p.is_shard():
-                per_dim.setdefault(p.dim, []).append(i)
-        ndim_guess = max(per_dim, default=-1) + 1
-        return tuple(tuple(sorted(per_dim.get(d, []), key=lambda i: (ranking.get(i, i), i)))
-                     for d in range(ndim_guess))
-
-    def fit(order, ndim):
-        if order is None:
-            return None
-        return tuple(order) + ((),) * (ndim - len(order))
-
-    in_orders = [fit(order_for(w), spec.ndim) if w is not None else None
-                 for spec, w in zip(inputs, ins)]
-    out_orders = [order_for(o) for o in outs]
-    return in_orders, out_orders
+# per-mesh-dim expansion lives with the rule API (rules call it too); the old name stays for them
+_expand = expand_strategies

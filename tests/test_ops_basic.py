@@ -167,4 +167,4 @@ def test_mixing_plain_tensor_and_missing_rule_errors():
         dx + torch.randn(4, 4)
     torch.testing.assert_close((dx + torch.tensor(2.0)).full_tensor(), dx.full_tensor() + 2)
     with pytest.raises(NotImplementedError, match="register_sharding"):
-        torch.linalg.qr(dx)
+        torch.linalg.eigh(dx)

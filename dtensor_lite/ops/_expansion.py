@@ -1,0 +1,127 @@
+"""Expanding per-mesh-dim strategies into placements for every mesh dim.
+
+A rule that returns ``(outs, ins)`` pairs for ONE mesh dim is expanded here: for each mesh dim the
+pair that moves the least data is chosen (ties: the one that moves nothing, then list order), and
+a non-default shard order on an input that keeps its placements is carried to the outputs. Rules
+that want the dispatcher's choice and then attach their own ``local_fn`` call
+:func:`expand_strategies` themselves.
+"""
+from __future__ import annotations
+
+import math
+
+from ..spec import DTensorSpec
+from ._registry import FullStrategy, OpCall
+
+__all__ = ["expand_strategies"]
+
+
+def _estimate(spec: DTensorSpec, i: int, p, q) -> float:
+    """Rough bytes to move ``spec`` from p to q on mesh dim i (exact plans come later)."""
+    n = spec.mesh.shape[i]
+    local = math.prod(spec.local_shape_and_offset((0,) * spec.mesh.ndim)[0]) * spec.dtype.itemsize
+    if p.is_replicate():
+        return 0.0
+    if p.is_shard():
+        if q.is_replicate():
+            return (n - 1) * local
+        if q.is_shard():
+            return (n - 1) / n * local
+        return 0.0
+    if q.is_shard():
+        return (n - 1) / n * local
+    if q.is_partial() and {p.reduce_op, q.reduce_op} <= {"sum", "avg"}:
+        return 0.0
+    return 2 * (n - 1) / n * local
+
+
+def _normalize_strategy(s, n_inputs):
+    outs, ins = s
+    if not isinstance(outs, (list, tuple)):
+        outs = (outs,)
+    ins = tuple(ins)
+    if len(ins) != n_inputs:
+        raise RuntimeError(f"sharding strategy {s} lists {len(ins)} input placements for "
+                           f"{n_inputs} DTensor inputs (a bug in the rule)")
+    return tuple(outs), ins
+
+
+def expand_strategies(call: OpCall, strategies, mutated=None) -> FullStrategy:
+    """Pick per mesh dim among ``strategies`` (see the module docstring); ``mutated`` is the
+    index of an in-place destination among ``call.inputs``, whose placement must not change."""
+    inputs = call.inputs
+    strategies = [_normalize_strategy(s, len(inputs)) for s in strategies]
+    mesh_ndim = call.mesh.ndim
+    chosen = []
+    for i in range(mesh_ndim):
+        best = None
+        for k, (outs, ins) in enumerate(strategies):
+            if mutated is not None and (
+                    ins[mutated] not in (None, inputs[mutated].placements[i])
+                    or outs[0] != inputs[mutated].placements[i]):
+                continue  # an in-place op writes its result where its destination already is
+            cost, exact = 0.0, True
+            for spec, q in zip(inputs, ins):
+                if q is None:
+                    continue
+                p = spec.placements[i]
+                if p != q:
+                    exact = False
+                    cost += _estimate(spec, i, p, q)
+            rank = (cost, not exact, k)
+            if best is None or rank < best[0]:
+                best = (rank, outs, ins)
+        if best is None:
+            raise RuntimeError(
+                f"{call.op}: no sharding strategy keeps the in-place destination's placement "
+                f"{list(inputs[mutated].placements)}; use the out-of-place op")
+        chosen.append(best)
+    n_out = max(len(c[1]) for c in chosen)
+    outs = []
+    for k in range(n_out):
+        pl = [c[1][k] if k < len(c[1]) else None for c in chosen]
+        outs.append(None if any(p is None for p in pl) else tuple(pl))
+    ins = []
+    for j in range(len(inputs)):
+        pl = [c[2][j] for c in chosen]
+        ins.append(None if all(p is None for p in pl) else tuple(
+            inputs[j].placements[i] if p is None else p for i, p in enumerate(pl)))
+    in_orders, out_orders = _transfer_orders(inputs, ins, outs)
+    return FullStrategy(outs, ins, None, out_orders, in_orders)
+
+
+def _transfer_orders(inputs, ins, outs):
+    """Carry a non-default shard order (e.g. FSDP over TP) from an input that keeps its
+    placements to the other inputs and outputs: mesh dims splitting one tensor dim keep the same
+    relative order everywhere, so the local pieces still line up."""
+    ranking = None
+    for spec, want in zip(inputs, ins):
+        if not spec.has_default_order and (want is None or tuple(want) == spec.placements):
+            ranking = {}
+            for order in spec.shard_order:
+                for pos, i in enumerate(order):
+                    ranking[i] = pos
+            break
+    if ranking is None:
+        return None, None
+
+    def order_for(placements):
+        if placements is None:
+            return None
+        per_dim: dict = {}
+        for i, p in enumerate(placements):
+            if p.is_shard():
+                per_dim.setdefault(p.dim, []).append(i)
+        ndim_guess = max(per_dim, default=-1) + 1
+        return tuple(tuple(sorted(per_dim.get(d, []), key=lambda i: (ranking.get(i, i), i)))
+                     for d in range(ndim_guess))
+
+    def fit(order, ndim):
+        if order is None:
+            return None
+        return tuple(order) + ((),) * (ndim - len(order))
+
+    in_orders = [fit(order_for(w), spec.ndim) if w is not None else None
+                 for spec, w in zip(inputs, ins)]
+    out_orders = [order_for(o) for o in outs]
+    return in_orders, out_orders
