@@ -9,7 +9,7 @@ from .dtensor import DTensor
 from . import ops  # noqa: F401  (registers the sharding rules)
 from .redistribute import explain_redistribute, RedistributePlan
 from .api import (distribute_tensor, distribute_module, zeros, ones, empty, full, rand, randn)
-from . import debug
+from . import debug, random
 from .strategy_api import local_map, register_sharding
 
 __all__ = [

@@ -120,9 +120,8 @@ class _Decision:
             out = self.local_fn(*largs, **kwargs)
         else:
             it = iter(locals_)
-            swap = lambda a: next(it) if isinstance(a, DTensor) else a  # noqa: E731
-            largs = tree_map(swap, list(args))
-            lkwargs = tree_map(swap, kwargs)
+            largs = [_swap(a, it) for a in args]
+            lkwargs = {k: _swap(v, it) for k, v in kwargs.items()}
             out = self.local_fn(*largs, **lkwargs)
         if validate:
             _validate_outputs(self, out)
@@ -138,6 +137,16 @@ class _Decision:
             res = [o if s is None else DTensor(o, s) for o, s in zip(out, self.out_specs)]
             return tuple(res) if isinstance(out, tuple) else res
         return out  # non-tensor result (e.g. a Python scalar from item())
+
+
+def _swap(a, locals_iter):
+    """``a`` with its DTensors replaced, in order, by the local tensors from ``locals_iter``
+    (one level of list/tuple nesting, which is all aten schemas have: cat, foreach ops)."""
+    if isinstance(a, DTensor):
+        return next(locals_iter)
+    if isinstance(a, (list, tuple)):
+        return type(a)(next(locals_iter) if isinstance(x, DTensor) else x for x in a)
+    return a
 
 
 def _validate_outputs(decision, out):
@@ -326,6 +335,9 @@ class _OutDecision:
     def run(self, args, kwargs, dts, validate=False):
         kwargs = dict(kwargs)
         outs = [kwargs.pop(name) for name in self.out_names]
+        returns_nothing = not self.op._schema.returns
+        if len(outs) == 1 and isinstance(outs[0], (list, tuple)):
+            outs = list(outs[0])  # foreach out=: one list of outs, one per result
         result = self.functional(*args, **kwargs)
         results = result if isinstance(result, (tuple, list)) else (result,)
         for out, res in zip(outs, results):
@@ -338,6 +350,8 @@ class _OutDecision:
                     res._spec.shard_order != out._spec.shard_order:
                 res = res.redistribute(out.device_mesh, out.placements)
             out._local_tensor.copy_(res._local_tensor)
+        if returns_nothing:
+            return None
         return outs[0] if len(outs) == 1 else tuple(outs)
 
 

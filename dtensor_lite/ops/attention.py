@@ -1,0 +1,144 @@
+"""scaled_dot_product_attention on CPU: ``aten._scaled_dot_product_flash_attention_for_cpu``
+(and its backward), which is what ``F.scaled_dot_product_attention`` reaches in torch 2.13.
+
+q/k/v are ``[*batch, L|S, E]`` (``[B, H, L, E]`` from the usual callers):
+
+* batch or head dims shard straight through (each (batch, head) attends on its own); the mask
+  follows where it spans that dim and is replicated where it broadcasts;
+* query rows may be sharded with keys/values whole (each query row attends on its own), so a
+  sequence-sharded q/k/v needs only k and v gathered -- or, usually cheaper when there are heads
+  to split, an all-to-all of q/k/v from sequence to heads (as in Ulysses); the dispatcher weighs
+  the two. Causal masking of sharded rows needs each rank's global row offset, so the local call
+  gets an explicit causal mask for its rows;
+* key/value sequence sharding would need an online softmax across ranks (ring attention): those
+  are gathered instead;
+* with dropout every strategy but full replication is refused (the dropout mask is drawn inside
+  the kernel, so it could not match the unsharded op).
+
+The CPU kernel crashes on empty heads or query rows, which uneven shards produce; such ranks
+compute nothing and return empty/zero pieces.
+
+Inputs the fused kernel does not take (a value head dim unlike the query's, no head dim, GQA,
+dropout) go down the composite math path instead: matmuls and ``aten._safe_softmax`` (see
+``nn.py``), each with its own rule.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from ..placements import Partial, Replicate, Shard
+from ..spec import DTensorSpec
+from ._registry import register_rule
+from .nn import arg, choose, input_names, sharding_mesh_dims, strategy, target_spec
+
+aten = torch.ops.aten
+R = Replicate()
+P = Partial()
+SDPA_CPU = aten._scaled_dot_product_flash_attention_for_cpu.default
+SDPA_CPU_BACKWARD = aten._scaled_dot_product_flash_attention_for_cpu_backward.default
+
+
+def _mask_placement(mask, q: DTensorSpec, d: int):
+    """The mask's placement when dim ``d`` of q (and the output) is sharded."""
+    if not isinstance(mask, DTensorSpec):
+        return None
+    dd = d - (q.ndim - mask.ndim)
+    return Shard(dd) if dd >= 0 and mask.shape[dd] == q.shape[d] else R
+
+
+def _sdpa_strategies(call, outs_for, rows_outs, **row_extra):
+    """Strategies shared by forward and backward. ``outs_for(d)``: outputs when dim d of
+    q/k/v is sharded; ``rows_outs``: outputs when only the query rows are."""
+    q, k, v = arg(call, "query"), arg(call, "key"), arg(call, "value")
+    mask = arg(call, "attn_mask")
+    n_out = len(call.op._schema.returns)
+    strategies = [strategy(call, (R,) * n_out)]
+    if arg(call, "dropout_p") != 0:
+        return strategies
+    kv_like = [n for n in input_names(call) if n not in ("attn_mask",)]
+    for d in range(q.ndim - 2):  # batch / head dims (a size-1 dim would leave ranks idle)
+        if q.shape[d] == k.shape[d] == v.shape[d] > 1:
+            ins = {n: Shard(d) for n in kv_like}
+            strategies.append(strategy(call, outs_for(d), attn_mask=_mask_placement(mask, q, d),
+                                       **ins))
+    rows = q.ndim - 2
+    ins = {n: Shard(rows) for n in row_extra}
+    strategies.append(strategy(call, rows_outs(rows), attn_mask=_mask_placement(mask, q, rows),
+                               **ins))
+    return strategies
+
+
+def _row_offset(call, full):
+    """Global index of this rank's first query row when the rows are sharded, else None."""
+    j = input_names(call).index("query")
+    spec = target_spec(call, full, j)
+    rows = spec.ndim - 2
+    if not sharding_mesh_dims(spec.placements, rows):
+        return None
+    return spec.local_shape_and_offset()[1][rows]
+
+
+@register_rule(SDPA_CPU)
+def _sdpa(call):
+    strategies = _sdpa_strategies(
+        call, outs_for=lambda d: (Shard(d), Shard(d)), rows_outs=lambda r: (Shard(r), Shard(r)),
+        query=None)
+    full = choose(call, strategies)
+    if _any_sharded(call, full):
+        start = _row_offset(call, full) if arg(call, "is_causal") else None
+        full.local_fn = functools.partial(_sdpa_local, row_start=start)
+    return full
+
+
+@register_rule(SDPA_CPU_BACKWARD)
+def _sdpa_backward(call):
+    # sharded query rows: each rank's rows contribute to every key/value grad -> Partial(sum)
+    strategies = _sdpa_strategies(
+        call, outs_for=lambda d: (Shard(d),) * 3, rows_outs=lambda r: (Shard(r), P, P),
+        grad_out=None, query=None, out=None, logsumexp=None)
+    full = choose(call, strategies)
+    if _any_sharded(call, full):
+        start = _row_offset(call, full) if arg(call, "is_causal") else None
+        full.local_fn = functools.partial(_sdpa_backward_local, row_start=start)
+    return full
+
+
+def _any_sharded(call, full):
+    """Whether some rank may hold an empty piece or need a row offset (else: the plain op)."""
+    spec = target_spec(call, full, input_names(call).index("query"))
+    return any(p.is_shard() for p in spec.placements)
+
+
+def _causal_mask(q, k, row_start):
+    """The causal mask (top-left aligned, as torch's is_causal) of query rows from row_start."""
+    allowed = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device)
+    allowed = allowed.tril(diagonal=row_start)
+    return torch.zeros(allowed.shape, dtype=q.dtype, device=q.device).masked_fill_(
+        ~allowed, float("-inf"))
+
+
+def _empty(q, k, v):
+    return q.numel() == 0 or k.numel() == 0 or v.numel() == 0
+
+
+def _sdpa_local(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None,
+                scale=None, row_start):
+    if _empty(query, key, value):  # the kernel dies (SIGFPE) on empty heads or rows
+        metas = SDPA_CPU(*[t.to("meta") for t in (query, key, value)], dropout_p, is_causal,
+                         scale=scale)
+        return tuple(torch.zeros(m.shape, dtype=m.dtype, device=query.device) for m in metas)
+    if row_start is not None:
+        attn_mask, is_causal = _causal_mask(query, key, row_start), False
+    return SDPA_CPU(query, key, value, dropout_p, is_causal, attn_mask=attn_mask, scale=scale)
+
+
+def _sdpa_backward_local(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
+                         attn_mask=None, scale=None, row_start):
+    if _empty(query, key, value):  # no queries here: nothing flows to any key or value
+        return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
+    if row_start is not None:
+        attn_mask, is_causal = _causal_mask(query, key, row_start), False
+    return SDPA_CPU_BACKWARD(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal,
+                             attn_mask=attn_mask, scale=scale)

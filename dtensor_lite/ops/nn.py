@@ -1,0 +1,385 @@
+"""Neural-network layers: embedding, layer/RMS norm, softmax, convolution.
+
+The communication-saving cases, and why they are exact:
+
+* **vocab-sharded embedding** (weight ``Shard(0)``): each rank looks up only the ids in its row
+  range (others read as zero rows), so the sum over ranks is the lookup: ``Partial(sum)``, and the
+  table is never gathered. The backward writes only the local rows: a ``Shard(0)`` weight grad.
+* **softmax over a sharded dim** (e.g. class-sharded logits for a vocab-parallel loss): the max and
+  the sum of exponentials are all-reduced (one row-sized value each); the output stays sharded.
+* **norms over sequence-sharded activations**: rows normalise independently, so a shard on a
+  non-normalised dim stays; the weight/bias grads are sums over rows, so they come out Partial.
+
+Notes: ``embedding_dense_backward`` cannot see the weight's placement, so with replicated ids and
+gradient it returns the ``Shard(0)`` grad (each rank's rows) even for a replicated table; an
+optimizer step into a replicated weight then gathers it. On CPU ``F.rms_norm`` decomposes above
+the dispatcher (pow, mean, add, rsqrt, mul: generic rules); the ``_fused_rms_norm`` rules serve
+devices where that op has a kernel. Dropout: ``native_dropout`` is a random op (``random.py``),
+its backward is pointwise (``pointwise.py``).
+
+Helpers at the top (argument access by schema name, per-mesh-dim expansion with a local function)
+are shared with ``loss.py`` and ``attention.py``.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from .. import collectives
+from ..placements import Partial, Replicate, Shard
+from ..spec import DTensorSpec, TensorMeta
+from ._registry import FullStrategy, register_rule
+
+aten = torch.ops.aten
+R = Replicate()
+P = Partial()
+LINEAR_PARTIALS = ("sum", "avg")  # the Partial reductions that commute with linear maps
+
+__all__ = ["arg", "input_names", "strategy", "choose", "target_spec", "sharding_mesh_dims",
+           "all_reduce_over", "replace_args"]
+
+
+# ----------------------------------------------------------------------------- shared helpers
+def arg(call, name):
+    """The value of argument ``name`` (positional or keyword; the schema default if omitted)."""
+    for k, a in enumerate(call.op._schema.arguments):
+        if a.name == name:
+            if k < len(call.args):
+                return call.args[k]
+            if name in call.kwargs:
+                return call.kwargs[name]
+            return a.default_value if a.has_default_value() else None
+    raise KeyError(f"{call.op} has no argument {name!r}")
+
+
+def input_names(call) -> list[str]:
+    """Schema names of the DTensor inputs, in ``call.inputs`` order."""
+    schema = call.op._schema.arguments
+    names = []
+    for k, a in enumerate(call.args):
+        if isinstance(a, DTensorSpec):
+            names.append(schema[k].name)
+    for name, v in call.kwargs.items():
+        if isinstance(v, DTensorSpec):
+            names.append(name)
+    return names
+
+
+def strategy(call, outs, **ins):
+    """One per-mesh-dim strategy with input placements given by argument name.
+
+    DTensor inputs not named are Replicate; a name given ``None`` keeps its input as it is; names
+    of absent optional inputs (a ``None`` bias) are ignored."""
+    names = input_names(call)
+    return (outs, tuple(ins.get(n, R) for n in names))
+
+
+def choose(call, strategies, local_fn=None) -> FullStrategy:
+    """The dispatcher's own per-mesh-dim choice (cheapest per dim), with ``local_fn`` attached.
+
+    Used where the local computation depends on the chosen placements (a vocab offset, a
+    collective over the mesh dims that shard a reduced dim)."""
+    from .._dispatch import _expand  # lazily: the dispatcher imports this package
+    full = _expand(call, list(strategies), None)
+    full.local_fn = local_fn
+    return full
+
+
+def target_spec(call, full: FullStrategy, j: int) -> DTensorSpec:
+    """The spec input ``j`` will have when the local function runs (as the dispatcher makes it)."""
+    spec = call.inputs[j]
+    want = full.ins[j]
+    if want is None:
+        return spec
+    order = full.in_orders[j] if full.in_orders is not None else None
+    if order is None and tuple(want) == spec.placements:
+        order = spec.shard_order
+    return DTensorSpec(call.mesh, want, spec.tensor_meta, order)
+
+
+def sharding_mesh_dims(placements, dim: int) -> list[int]:
+    return [i for i, p in enumerate(placements) if p.is_shard(dim)]
+
+
+def all_reduce_over(t: torch.Tensor, mesh, mesh_dims, reduce_op: str) -> torch.Tensor:
+    """All-reduce over several mesh dims (sum/max/min compose dim by dim)."""
+    for i in mesh_dims:
+        t = collectives.all_reduce(t, mesh, i, reduce_op)
+    return t
+
+
+def replace_args(op, args, kwargs, **changes):
+    """``(args, kwargs)`` of an aten call with some arguments (by schema name) replaced."""
+    args, kwargs = list(args), dict(kwargs)
+    for k, a in enumerate(op._schema.arguments):
+        if a.name in changes:
+            if k < len(args):
+                args[k] = changes[a.name]
+            else:
+                kwargs[a.name] = changes[a.name]
+    return args, kwargs
+
+
+# ----------------------------------------------------------------------------- embedding
+@register_rule(aten.embedding.default)
+def _embedding(call):
+    weight, indices = arg(call, "weight"), arg(call, "indices")
+    nd = indices.ndim  # a 0-d plain index tensor acts as replicated (and is no input)
+    strategies = [strategy(call, R)]
+    strategies += [strategy(call, Shard(d), indices=Shard(d)) for d in range(nd)]
+    strategies.append(strategy(call, Shard(nd), weight=Shard(1)))
+    strategies.append(strategy(call, P, weight=Shard(0)))  # vocab-parallel: masked local lookup
+    strategies += [strategy(call, Partial(op), weight=Partial(op)) for op in LINEAR_PARTIALS]
+    full = choose(call, strategies)
+    return _with_vocab_range(call, full, full_table_rows=weight.shape[0])
+
+
+def _with_vocab_range(call, full, full_table_rows):
+    wspec = target_spec(call, full, input_names(call).index("weight"))
+    if sharding_mesh_dims(wspec.placements, 0):
+        shape, offset = wspec.local_shape_and_offset()
+        full.local_fn = functools.partial(_masked_lookup, start=offset[0], rows=shape[0],
+                                          num_weights=full_table_rows)
+    return full
+
+
+def _masked_lookup(weight, indices, *args, start, rows, num_weights, **kwargs):
+    """Embedding of the ids in [start, start + rows) from this rank's rows; other ids give 0."""
+    if indices.device.type == "cpu" and indices.numel() and (
+            int(indices.min()) < 0 or int(indices.max()) >= num_weights):
+        raise IndexError(f"embedding: an index is out of range for a table of {num_weights} rows "
+                         f"(ids span [{int(indices.min())}, {int(indices.max())}])")
+    local = indices - start
+    valid = (local >= 0) & (local < rows)
+    if rows == 0:  # an empty vocab shard holds no rows to look up
+        return weight.new_zeros(tuple(indices.shape) + (weight.shape[1],))
+    out = aten.embedding.default(weight, torch.where(valid, local, 0))
+    return out.masked_fill_(~valid.unsqueeze(-1), 0)
+
+
+@register_rule(aten.embedding_dense_backward.default)
+def _embedding_backward(call):
+    grad, indices = arg(call, "grad_output"), arg(call, "indices")
+    num_weights, scale_by_freq = arg(call, "num_weights"), arg(call, "scale_grad_by_freq")
+    if not isinstance(indices, DTensorSpec):
+        raise ValueError(f"{call.op}: indices must be a DTensor when the gradient is one")
+    nd = indices.ndim
+    # Listed first, so it wins the tie with all-Replicate: with replicated ids and gradient each
+    # rank writes only its own rows -- the vocab-sharded grad of a vocab-parallel table, without
+    # materialising the full table's gradient on every rank.
+    strategies = [strategy(call, Shard(0))]
+    if not scale_by_freq:  # id frequencies must be counted over all ids: keep the ids whole
+        strategies += [strategy(call, P, grad_output=Shard(d), indices=Shard(d))
+                       for d in range(nd)]
+    strategies.append(strategy(call, Shard(1), grad_output=Shard(nd)))
+    strategies += [strategy(call, Partial(op), grad_output=Partial(op)) for op in LINEAR_PARTIALS]
+    strategies.append(strategy(call, R))
+    full = choose(call, strategies)
+    width = grad.shape[-1]
+    out_order = full.out_orders[0] if full.out_orders else None
+    if out_order is not None:  # orders derived from placements may stop short of dim 1
+        out_order = tuple(out_order) + ((),) * (2 - len(out_order))
+    out_spec = DTensorSpec(call.mesh, full.outs[0],
+                           TensorMeta(torch.Size([num_weights, width]), (width, 1), grad.dtype),
+                           out_order)
+    if sharding_mesh_dims(out_spec.placements, 0):
+        shape, offset = out_spec.local_shape_and_offset()
+        full.local_fn = functools.partial(_masked_embedding_backward, start=offset[0],
+                                          rows=shape[0])
+    return full
+
+
+def _masked_embedding_backward(grad, indices, num_weights, padding_idx, scale_grad_by_freq, *,
+                               start, rows):
+    """Gradient of rows [start, start + rows) only. Ids outside the range go to one spare row
+    that is dropped, so frequency counts of the real rows stay exact."""
+    local = indices - start
+    valid = (local >= 0) & (local < rows)
+    local = torch.where(valid, local, rows)
+    pad = padding_idx - start if padding_idx >= 0 and 0 <= padding_idx - start < rows else -1
+    out = aten.embedding_dense_backward.default(grad, local, rows + 1, pad, scale_grad_by_freq)
+    return out[:rows]
+
+
+# ----------------------------------------------------------------------------- norms
+def _norm_axis(call):
+    x = arg(call, "input")
+    return x.ndim - len(arg(call, "normalized_shape"))
+
+
+@register_rule(aten.native_layer_norm.default, aten._fused_rms_norm.default)
+def _norm(call):
+    # Rows normalise independently: a shard on a row dim stays, a normalised dim is replicated
+    # (or, cheaper, moved to a row dim: the dispatcher weighs an all-to-all against a gather).
+    n_out = len(call.op._schema.returns)
+    strategies = [strategy(call, (R,) * n_out)]
+    strategies += [strategy(call, (Shard(d),) * n_out, input=Shard(d))
+                   for d in range(_norm_axis(call))]
+    return strategies
+
+
+@register_rule(aten.native_layer_norm_backward.default)
+def _layer_norm_backward(call):
+    return _norm_backward(call, ("grad_out", "input", "mean", "rstd"), n_param_grads=2)
+
+
+@register_rule(aten._fused_rms_norm_backward.default)
+def _rms_norm_backward(call):
+    return _norm_backward(call, ("grad_out", "input", "rstd"), n_param_grads=1)
+
+
+def _norm_backward(call, row_inputs, n_param_grads):
+    strategies = [strategy(call, (R,) * (1 + n_param_grads))]
+    for d in range(_norm_axis(call)):
+        # the input grad keeps the row shard; weight/bias grads are sums over rows: Partial
+        ins = {name: Shard(d) for name in row_inputs}
+        strategies.append(strategy(call, (Shard(d),) + (P,) * n_param_grads, **ins))
+    for op in LINEAR_PARTIALS:  # every gradient is linear in grad_out
+        strategies.append(strategy(call, (Partial(op),) * (1 + n_param_grads),
+                                   grad_out=Partial(op)))
+    return strategies
+
+
+# ----------------------------------------------------------------------------- softmax
+_SOFTMAX_KIND = {aten._softmax.default: "softmax", aten._log_softmax.default: "log",
+                 aten._safe_softmax.default: "safe"}  # safe: rows that are all -inf give 0
+
+
+@register_rule(*_SOFTMAX_KIND)
+def _softmax(call):
+    x = call.inputs[0]
+    dim = call.args[1] % max(x.ndim, 1)
+    strategies = [((R,), (R,))] + [((Shard(d),), (Shard(d),)) for d in range(x.ndim)]
+    full = choose(call, strategies)
+    reduce_dims = sharding_mesh_dims(full.ins[0], dim) if x.ndim else []
+    if reduce_dims:
+        full.local_fn = functools.partial(_sharded_softmax, kind=_SOFTMAX_KIND[call.op],
+                                          mesh=call.mesh, mesh_dims=tuple(reduce_dims))
+    return full
+
+
+def _acc_dtype(dtype):
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _sharded_softmax(x, dim, *rest, kind, mesh, mesh_dims, **kwargs):
+    """(log-)softmax over a dim split across ``mesh_dims``: the row max and the sum of
+    exponentials are all-reduced (one value per row each); the logits never move.
+
+    The third argument is ``half_to_float`` of _softmax/_log_softmax, or _safe_softmax's dtype."""
+    dtype_arg = rest[0] if rest else kwargs.get("dtype", kwargs.get("half_to_float"))
+    if kind == "safe":
+        out_dtype = dtype_arg or x.dtype
+    else:
+        out_dtype = torch.float32 if dtype_arg else x.dtype
+    xf = x.to(_acc_dtype(out_dtype))
+    if x.shape[dim] > 0:
+        row_max = xf.amax(dim, keepdim=True)
+    else:  # an empty shard contributes the identity of max
+        shape = list(x.shape)
+        shape[dim] = 1
+        row_max = xf.new_full(shape, float("-inf"))
+    row_max = all_reduce_over(row_max, mesh, mesh_dims, "max")
+    shifted = xf - row_max
+    sum_exp = all_reduce_over(shifted.exp().sum(dim, keepdim=True), mesh, mesh_dims, "sum")
+    if kind == "log":
+        out = shifted - sum_exp.log()
+    else:
+        out = shifted.exp() / sum_exp
+        if kind == "safe":
+            out = out.masked_fill(row_max == float("-inf"), 0)
+    return out.to(out_dtype)
+
+
+@register_rule(aten._softmax_backward_data.default, aten._log_softmax_backward_data.default)
+def _softmax_backward(call):
+    out = call.inputs[1]
+    dim = call.args[2] % max(out.ndim, 1)
+    strategies = [((R,), (R, R))] + [((Shard(d),), (Shard(d), Shard(d))) for d in range(out.ndim)]
+    strategies += [((Partial(op),), (Partial(op), R)) for op in LINEAR_PARTIALS]  # linear in grad
+    full = choose(call, strategies)
+    reduce_dims = sharding_mesh_dims(full.ins[1], dim) if out.ndim else []
+    if reduce_dims:
+        full.local_fn = functools.partial(
+            _sharded_softmax_backward, log=call.op is aten._log_softmax_backward_data.default,
+            mesh=call.mesh, mesh_dims=tuple(reduce_dims))
+    return full
+
+
+def _sharded_softmax_backward(grad, out, dim, input_dtype, *, log, mesh, mesh_dims):
+    acc = _acc_dtype(grad.dtype)
+    g, y = grad.to(acc), out.to(acc)
+    if log:  # d/dx log_softmax: g - softmax * sum(g)
+        s = all_reduce_over(g.sum(dim, keepdim=True), mesh, mesh_dims, "sum")
+        res = g - y.exp() * s
+    else:  # d/dx softmax: y * (g - sum(g * y))
+        s = all_reduce_over((g * y).sum(dim, keepdim=True), mesh, mesh_dims, "sum")
+        res = y * (g - s)
+    return res.to(input_dtype)
+
+
+# ----------------------------------------------------------------------------- convolution
+def _conv_channel_dims(call):
+    """(out-channel dim, in-channel dim) of the weight; transposed convs store [in, out, ...]."""
+    return (1, 0) if arg(call, "transposed") else (0, 1)
+
+
+@register_rule(aten.convolution.default)
+def _convolution(call):
+    w_out, w_in = _conv_channel_dims(call)
+    strategies = [strategy(call, R), strategy(call, Shard(0), input=Shard(0))]
+    for op in LINEAR_PARTIALS:  # linear in the input and in the weight (bias added once)
+        strategies.append(strategy(call, Partial(op), input=Partial(op), bias=Partial(op)))
+        strategies.append(strategy(call, Partial(op), weight=Partial(op), bias=Partial(op)))
+    if arg(call, "groups") == 1:  # with groups, a channel chunk does not line up with groups
+        strategies.append(strategy(call, Shard(1), weight=Shard(w_out), bias=Shard(0)))
+        strategies.append(strategy(call, P, input=Shard(1), weight=Shard(w_in), bias=P))
+    return _with_out_channel_fn(call, choose(call, strategies), w_out, _conv_local)
+
+
+def _with_out_channel_fn(call, full, w_out, local_fn):
+    """Out-channel-sharded weights need local care (bias sizes, empty shards); others don't."""
+    wspec = target_spec(call, full, input_names(call).index("weight"))
+    if sharding_mesh_dims(wspec.placements, w_out):
+        full.local_fn = functools.partial(local_fn, w_out=w_out)
+    return full
+
+
+def _conv_local(input, weight, bias, stride, padding, dilation, transposed, output_padding,
+                groups, *, w_out):
+    rest = (stride, padding, dilation, transposed, output_padding, groups)
+    if weight.shape[w_out] == 0:  # an empty out-channel shard: torch rejects an empty weight
+        one = list(weight.shape)
+        one[w_out] = 1
+        return aten.convolution.default(input, weight.new_zeros(one), None, *rest)[:, :0]
+    return aten.convolution.default(input, weight, bias, *rest)
+
+
+@register_rule(aten.convolution_backward.default)
+def _convolution_backward(call):
+    w_out, w_in = _conv_channel_dims(call)
+    strategies = [strategy(call, (R, R, R)),
+                  strategy(call, (Shard(0), P, P), grad_output=Shard(0), input=Shard(0))]
+    strategies += [strategy(call, (Partial(op),) * 3, grad_output=Partial(op))
+                   for op in LINEAR_PARTIALS]
+    if arg(call, "groups") == 1:
+        strategies.append(strategy(call, (P, Shard(w_out), Shard(0)), grad_output=Shard(1),
+                                   weight=Shard(w_out)))
+        strategies.append(strategy(call, (Shard(1), Shard(w_in), R), input=Shard(1),
+                                   weight=Shard(w_in)))
+    return _with_out_channel_fn(call, choose(call, strategies), w_out, _conv_backward_local)
+
+
+def _conv_backward_local(grad, input, weight, bias_sizes, stride, padding, dilation, transposed,
+                         output_padding, groups, output_mask, *, w_out):
+    # bias_sizes is global; the local bias grad has the local grad's channel count
+    if bias_sizes is not None:
+        bias_sizes = [grad.shape[1]]
+    if weight.shape[w_out] == 0:  # no out-channels here: nothing flows back through this rank
+        return (torch.zeros_like(input) if output_mask[0] else None,
+                torch.zeros_like(weight) if output_mask[1] else None,
+                grad.new_zeros(bias_sizes) if output_mask[2] and bias_sizes else None)
+    return aten.convolution_backward.default(grad, input, weight, bias_sizes, stride, padding,
+                                             dilation, transposed, output_padding, groups,
+                                             output_mask)

@@ -1,0 +1,434 @@
+"""nn op rules against plain torch, forward and backward: embedding (replicated, vocab- and
+column-sharded tables), layer/RMS norm, softmax, convolution and scaled_dot_product_attention,
+on 1-D (4) and 2-D (2x2) meshes with uneven and empty shards, plus the paths that must not
+communicate."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dtensor_lite import Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from dtensor_lite.debug import CommDebugMode
+from tests.harness import distributed
+
+R = Replicate()
+aten = torch.ops.aten
+
+
+def _meshes():
+    return [init_device_mesh("cpu", (4,)), init_device_mesh("cpu", (2, 2))]
+
+
+def _rand(*shape, seed=0, **kw):
+    return torch.randn(tuple(shape), generator=torch.Generator().manual_seed(seed), **kw)
+
+
+def _dist(t, mesh, placements, grad=True):
+    """A leaf DTensor of global value ``t`` (Partial placements allowed). Every rank holds the
+    same ``t``, so each slices its own piece (no scatter)."""
+    placements = list(placements)
+    if any(p.is_partial() for p in placements):
+        dt = distribute_tensor(t, mesh, [R] * mesh.ndim, src_data_rank=None).redistribute(
+            mesh, placements)
+    else:
+        dt = distribute_tensor(t, mesh, placements, src_data_rank=None)
+    if grad and t.is_floating_point():
+        dt.requires_grad_()
+    return dt
+
+
+def _grad_placements(out):
+    # the gradient of a Partial value arrives replicated; of a sharded one, sharded alike
+    return [R if p.is_partial() else p for p in out.placements]
+
+
+def check(fn, tensors, placements, mesh, grads=True, tol=None, n_outs_with_grad=1,
+          no_grad=()):
+    """fn on DTensors == fn on plain tensors, for the outputs and every floating input's grad
+    (except the inputs whose positions are in ``no_grad``)."""
+    tol = tol or {}
+    wants = [grads and t.is_floating_point() and k not in no_grad for k, t in enumerate(tensors)]
+    ref_in = [t.detach().clone().requires_grad_(w) for t, w in zip(tensors, wants)]
+    ref = fn(*ref_in)
+    d_in = [_dist(t, mesh, p, w) for t, p, w in zip(tensors, placements, wants)]
+    out = fn(*d_in)
+    refs, outs = (ref, out) if isinstance(ref, tuple) else ((ref,), (out,))
+    where = f"placements {placements}"
+    for o, r in zip(outs, refs):
+        torch.testing.assert_close(o.full_tensor(), r, msg=lambda m: f"{where}: {m}", **tol)
+    if not grads:
+        return out
+    for k in range(n_outs_with_grad):
+        g = _rand(*refs[k].shape, seed=100 + k, dtype=refs[k].dtype)
+        refs[k].backward(g, retain_graph=True)
+        outs[k].backward(_dist(g, mesh, _grad_placements(outs[k]), grad=False), retain_graph=True)
+    for t, d in zip(ref_in, d_in):
+        if t.requires_grad:
+            want = t.grad if t.grad is not None else torch.zeros_like(t)
+            torch.testing.assert_close(d.grad.full_tensor(), want,
+                                       msg=lambda m: f"grad, {where}: {m}", **tol)
+    return out
+
+
+# ----------------------------------------------------------------------------- embedding
+EMB_1D = [[R], [Shard(0)], [Shard(1)], [Partial()]]
+IDS_1D = [[R], [Shard(0)], [Shard(1)]]
+EMB_2D = [[Shard(0), R], [Shard(0), Shard(1)], [Shard(1), Shard(0)], [Shard(0), Shard(0)],
+          [Partial(), Shard(0)]]
+IDS_2D = [[R, R], [Shard(0), R], [Shard(0), Shard(1)]]
+
+
+@distributed(world_size=4)
+@pytest.mark.parametrize("vocab", [10, 5])  # 5 rows on 4 ranks: one rank has an empty vocab shard
+def test_embedding_forward_backward(vocab):
+    weight = _rand(vocab, 6)
+    ids = torch.randint(0, vocab, (3, 5), generator=torch.Generator().manual_seed(1))
+    for mesh, ws, idss in zip(_meshes(), [EMB_1D, EMB_2D], [IDS_1D, IDS_2D]):
+        for pw in ws:
+            for pi in idss:
+                check(lambda w, i: F.embedding(i, w), [weight, ids], [pw, pi], mesh)
+    mesh = init_device_mesh("cpu", (4,))
+    for kwargs in [dict(padding_idx=2), dict(padding_idx=vocab - 1, scale_grad_by_freq=True)]:
+        for pw in EMB_1D[:3]:
+            for pi in IDS_1D[:2]:
+                check(lambda w, i: F.embedding(i, w, **kwargs), [weight, ids], [pw, pi], mesh)
+
+
+@distributed(world_size=4)
+def test_vocab_sharded_embedding_never_gathers_the_table():
+    mesh = init_device_mesh("cpu", (4,))
+    weight, ids = _rand(11, 8), torch.tensor([[0, 10, 3], [7, 7, 2]])
+    w = _dist(weight, mesh, [Shard(0)])
+    i = _dist(ids, mesh, [R])
+    grad = distribute_tensor(torch.ones(2, 3, 8), mesh, [R])
+    with CommDebugMode() as comm:
+        out = F.embedding(i, w)
+        out.backward(grad)
+    assert comm.get_total_counts() == 0
+    assert out.placements == (Partial(),)
+    assert w.grad.placements == (Shard(0),)  # each rank wrote only its own rows
+    ref = weight.clone().requires_grad_()
+    F.embedding(ids, ref).backward(torch.ones(2, 3, 8))
+    torch.testing.assert_close(out.full_tensor(), F.embedding(ids, weight))
+    torch.testing.assert_close(w.grad.full_tensor(), ref.grad)
+
+    # ids sharded on the same mesh dim as the vocab: the ids move, the table does not
+    i_sharded = _dist(ids, mesh, [Shard(1)])
+    with CommDebugMode() as comm:
+        out = F.embedding(i_sharded, w)
+    assert comm.get_comm_counts() == {"all_gather": 1}
+    assert comm.get_total_bytes() < weight.numel() * weight.element_size() / 4
+    torch.testing.assert_close(out.full_tensor(), F.embedding(ids, weight))
+
+    # batch-sharded ids with a replicated table (data parallel): no comm, Partial weight grad
+    w_rep = _dist(weight, mesh, [R])
+    i_batch = _dist(ids, mesh, [Shard(1)])
+    grad = distribute_tensor(torch.ones(2, 3, 8), mesh, [Shard(1)])
+    with CommDebugMode() as comm:
+        out = F.embedding(i_batch, w_rep)
+        out.backward(grad)
+    assert comm.get_total_counts() == 0
+    assert out.placements == (Shard(1),) and w_rep.grad.placements == (Partial(),)
+    torch.testing.assert_close(w_rep.grad.full_tensor(), ref.grad)
+
+    # column-sharded table: output sharded on the last dim, no comm
+    w_col = _dist(weight, mesh, [Shard(1)])
+    grad = distribute_tensor(torch.ones(2, 3, 8), mesh, [Shard(2)])
+    with CommDebugMode() as comm:
+        out = F.embedding(i, w_col)
+        out.backward(grad)
+    assert comm.get_total_counts() == 0
+    assert out.placements == (Shard(2),) and w_col.grad.placements == (Shard(1),)
+
+
+@distributed(world_size=4)
+def test_embedding_out_of_range_id_is_an_error():
+    mesh = init_device_mesh("cpu", (4,))
+    w = _dist(_rand(6, 4), mesh, [Shard(0)])
+    with pytest.raises(IndexError, match="out of range"):
+        F.embedding(_dist(torch.tensor([1, 6]), mesh, [R]), w)
+
+
+# ----------------------------------------------------------------------------- norms
+X_1D = [[R], [Shard(0)], [Shard(1)], [Shard(2)], [Partial()]]
+X_2D = [[Shard(0), Shard(1)], [Shard(1), Shard(0)], [Shard(0), Shard(2)], [Shard(2), Shard(2)],
+        [Partial(), Shard(0)]]
+
+
+@distributed(world_size=4)
+def test_layer_norm():
+    x, w, b = _rand(5, 3, 8), _rand(8, seed=1), _rand(8, seed=2)
+    w2, b2 = _rand(3, 8, seed=3), _rand(3, 8, seed=4)
+    for mesh, xs in zip(_meshes(), [X_1D, X_2D]):
+        rep = [R] * mesh.ndim
+        for px in xs:
+            check(lambda x, w, b: F.layer_norm(x, (8,), w, b), [x, w, b], [px, rep, rep], mesh)
+            if mesh.ndim == 1:
+                check(lambda x, w, b: F.layer_norm(x, (3, 8), w, b), [x, w2, b2],
+                      [px, rep, rep], mesh)
+                check(lambda x: F.layer_norm(x, (8,)), [x], [px], mesh)
+        # sharded parameters are gathered (they are tiny)
+        check(lambda x, w, b: F.layer_norm(x, (8,), w, b), [x, w, b],
+              [[Shard(0)] * mesh.ndim, [Shard(0)] * mesh.ndim, rep], mesh)
+
+
+@distributed(world_size=4)
+def test_layer_norm_sequence_sharded_is_local_and_param_grads_are_partial():
+    mesh = init_device_mesh("cpu", (2, 2))
+    x = _dist(_rand(4, 6, 8), mesh, [Shard(0), Shard(1)])  # batch on dp, sequence on tp
+    w, b = _dist(_rand(8, seed=1), mesh, [R, R]), _dist(_rand(8, seed=2), mesh, [R, R])
+    grad = distribute_tensor(_rand(4, 6, 8, seed=3), mesh, [Shard(0), Shard(1)])
+    with CommDebugMode() as comm:
+        y = F.layer_norm(x, (8,), w, b)
+        y.backward(grad)
+    assert comm.get_total_counts() == 0
+    assert y.placements == (Shard(0), Shard(1))
+    assert w.grad.placements == (Partial(), Partial()) == b.grad.placements
+
+
+@distributed(world_size=4)
+def test_rms_norm():
+    # F.rms_norm decomposes on CPU (pow, mean, add, rsqrt, mul): rows stay sharded, and a
+    # sharded normalised dim goes through the mean's Partial
+    x, w = _rand(5, 3, 8), _rand(8, seed=1)
+    for mesh in _meshes():
+        rep = [R] * mesh.ndim
+        for px in ([[Shard(0)], [Shard(1)], [Shard(2)], [R]] if mesh.ndim == 1 else
+                   [[Shard(0), Shard(1)], [Shard(1), Shard(0)], [Shard(0), Shard(2)],
+                    [Shard(2), Shard(2)]]):
+            check(lambda x, w: F.rms_norm(x, (8,), w, eps=1e-6), [x, w], [px, rep], mesh)
+            check(lambda x: F.rms_norm(x, (8,)), [x], [px], mesh)
+
+
+_CPU_KERNELS = []
+
+
+def _give_fused_rms_norm_backward_a_cpu_kernel():
+    """aten._fused_rms_norm_backward has kernels for CUDA/MPS only; for this test, run torch's
+    own decomposition as its CPU kernel (registered once per worker process)."""
+    if _CPU_KERNELS:
+        return
+    from torch._decomp.decompositions import _fused_rms_norm_backward
+    lib = torch.library.Library("aten", "IMPL")
+    lib.impl("_fused_rms_norm_backward", _fused_rms_norm_backward, "CPU")
+    _CPU_KERNELS.append(lib)
+
+
+@distributed(world_size=4)
+def test_fused_rms_norm_rule():
+    # aten._fused_rms_norm reaches __torch_dispatch__ only on devices where it has a kernel
+    # (CPU decomposes F.rms_norm above the dispatcher), so the rule is driven directly
+    from dtensor_lite._dispatch import dispatch
+    _give_fused_rms_norm_backward_a_cpu_kernel()
+    fwd, bwd = aten._fused_rms_norm.default, aten._fused_rms_norm_backward.default
+    x, w, g = _rand(5, 3, 8), _rand(8, seed=1), _rand(5, 3, 8, seed=2)
+    out, rstd = fwd(x, [8], w, 1e-6)
+    gx, gw = bwd(g, x, [8], rstd, w, [True, True])
+    for mesh, xs in zip(_meshes(), [X_1D[:4], X_2D[:5]]):
+        rep = [R] * mesh.ndim
+        for px in xs:
+            dx, dw = _dist(x, mesh, px, False), _dist(w, mesh, rep, False)
+            dout, drstd = dispatch(fwd, (dx, [8], dw, 1e-6), {})
+            torch.testing.assert_close(dout.full_tensor(), out)
+            torch.testing.assert_close(drstd.full_tensor(), rstd)
+            dg = _dist(g, mesh, dout.placements, False)
+            dgx, dgw = dispatch(bwd, (dg, dx, [8], drstd, dw, [True, True]), {})
+            torch.testing.assert_close(dgx.full_tensor(), gx)
+            torch.testing.assert_close(dgw.full_tensor(), gw)
+
+
+# ----------------------------------------------------------------------------- softmax
+@distributed(world_size=4)
+def test_softmax_and_log_softmax():
+    x = _rand(5, 3, 7)
+    for mesh, xs in zip(_meshes(), [X_1D, X_2D]):
+        for px in xs:
+            for dim in (0, -1):  # px shards every dim in turn: sharded and unsharded softmax dims
+                check(lambda x: F.softmax(x, dim), [x], [px], mesh)
+                check(lambda x: F.log_softmax(x, dim), [x], [px], mesh)
+    # low precision accumulates in float32, like torch
+    xb = _rand(4, 9).bfloat16()
+    mesh = init_device_mesh("cpu", (4,))
+    for px in ([Shard(1)], [Shard(0)]):
+        check(lambda x: F.log_softmax(x, -1), [xb], [px], mesh, tol=dict(atol=1e-2, rtol=1e-2))
+        check(lambda x: F.softmax(x, -1), [xb], [px], mesh, tol=dict(atol=1e-2, rtol=1e-2))
+        check(lambda x: F.softmax(x, -1, dtype=torch.float32), [xb], [px], mesh,
+              tol=dict(atol=1e-2, rtol=1e-2))
+
+
+@distributed(world_size=4)
+def test_softmax_over_sharded_dim_only_all_reduces_row_statistics():
+    x = _rand(6, 10)
+    for mesh, px, n_reducing_dims in [(init_device_mesh("cpu", (4,)), [Shard(1)], 1),
+                                      (init_device_mesh("cpu", (2, 2)), [Shard(1), Shard(1)], 2),
+                                      (init_device_mesh("cpu", (2, 2)), [Shard(0), Shard(1)], 1)]:
+        for fn in (F.softmax, F.log_softmax):
+            dx = _dist(x, mesh, px)
+            grad = distribute_tensor(_rand(6, 10, seed=1), mesh, px)
+            with CommDebugMode() as comm:
+                y = fn(dx, -1)
+                y.backward(grad)
+            # forward: row max + sum of exp; backward: one row sum -- per reducing mesh dim
+            assert comm.get_comm_counts() == {"all_reduce": 3 * n_reducing_dims}
+            assert y.placements == tuple(px)
+            ref = x.clone().requires_grad_()
+            fn(ref, -1).backward(_rand(6, 10, seed=1))
+            torch.testing.assert_close(y.full_tensor(), fn(x, -1))
+            torch.testing.assert_close(dx.grad.full_tensor(), ref.grad)
+
+
+# ----------------------------------------------------------------------------- convolution
+@distributed(world_size=4)
+def test_conv1d_conv2d():
+    mesh1, mesh2 = _meshes()
+    x1, w1, b1 = _rand(5, 4, 9), _rand(3, 4, 3, seed=1), _rand(3, seed=2)
+    x2, w2, b2 = _rand(5, 4, 6, 7), _rand(6, 4, 3, 3, seed=1), _rand(6, seed=2)
+    conv1 = lambda x, w, b: F.conv1d(x, w, b, padding=1)  # noqa: E731
+    conv2 = lambda x, w, b: F.conv2d(x, w, b, stride=2, padding=1)  # noqa: E731
+    for conv, (x, w, b) in ((conv1, (x1, w1, b1)), (conv2, (x2, w2, b2))):
+        for pl in [([Shard(0)], [R], [R]),             # data parallel
+                   ([R], [Shard(0)], [Shard(0)]),      # out-channel parallel (3 on 4: one empty)
+                   ([Shard(1)], [Shard(1)], [R]),      # in-channel parallel -> Partial
+                   ([Partial()], [R], [R]),
+                   ([Shard(2)], [R], [R]),             # spatial: gathered
+                   ([R], [R], [R])]:
+            check(conv, [x, w, b], list(pl), mesh1)
+        for pl in [([Shard(0), R], [R, R], [R, R]),
+                   ([Shard(0), R], [R, Shard(0)], [R, Shard(0)]),
+                   ([Shard(0), Shard(1)], [R, Shard(1)], [R, R]),
+                   ([Shard(0), Shard(0)], [R, R], [R, R])]:
+            check(conv, [x, w, b], list(pl), mesh2)
+    # no bias, groups, transposed
+    wg = _rand(4, 2, 3, seed=3)
+    for px in ([Shard(0)], [Shard(1)]):
+        check(lambda x, w: F.conv1d(x, w, groups=2), [x1, wg], [px, [Shard(0)]], mesh1)
+    wt = _rand(4, 3, 3, seed=4)
+    for px, pw in (([Shard(0)], [R]), ([R], [Shard(1)]), ([Shard(1)], [Shard(0)])):
+        check(lambda x, w, b: F.conv_transpose1d(x, w, b, stride=2), [x1, wt, b1],
+              [px, pw, [R]], mesh1)
+
+
+@distributed(world_size=4)
+def test_batch_sharded_conv_does_not_communicate():
+    mesh = init_device_mesh("cpu", (4,))
+    x = _dist(_rand(8, 3, 10), mesh, [Shard(0)])
+    w, b = _dist(_rand(5, 3, 3, seed=1), mesh, [R]), _dist(_rand(5, seed=2), mesh, [R])
+    grad = distribute_tensor(_rand(8, 5, 8, seed=3), mesh, [Shard(0)])
+    with CommDebugMode() as comm:
+        y = F.conv1d(x, w, b)
+        y.backward(grad)
+    assert comm.get_total_counts() == 0
+    assert y.placements == (Shard(0),)
+    assert w.grad.placements == (Partial(),) and b.grad.placements == (Partial(),)
+
+
+# ----------------------------------------------------------------------------- attention
+QKV_1D = [[R], [Shard(0)], [Shard(1)], [Shard(2)], [Shard(3)]]
+QKV_2D = [[Shard(0), Shard(1)], [Shard(1), Shard(2)], [Shard(2), Shard(2)], [Shard(0), Shard(3)],
+          [R, Shard(1)]]
+
+
+@distributed(world_size=4)
+def test_sdpa_forward_backward():
+    # B=5 and H=3 leave a rank with an empty batch / head shard; L=6 rows split 2,2,2,0
+    q, k, v = _rand(5, 3, 6, 8), _rand(5, 3, 6, 8, seed=1), _rand(5, 3, 6, 8, seed=2)
+    mask = _rand(6, 6, seed=3)
+    bmask = _rand(5, 1, 6, 6, seed=4)
+    for mesh, pls in zip(_meshes(), [QKV_1D, QKV_2D]):
+        rep = [R] * mesh.ndim
+        for p in pls:
+            for causal in (False, True):
+                check(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                      [q, k, v], [p, p, p], mesh)
+            check(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+                  [q, k, v, mask], [p, p, p, rep], mesh)
+            check(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m,
+                                                                    scale=0.3),
+                  [q, k, v, bmask], [p, p, p, [Shard(0)] * mesh.ndim], mesh)
+    # boolean mask, cross attention (L != S) with causal masking on sharded query rows
+    mesh = init_device_mesh("cpu", (4,))
+    kk, vv = _rand(5, 3, 9, 8, seed=5), _rand(5, 3, 9, 8, seed=6)
+    bool_mask = _rand(6, 9, seed=7) > 0
+    for p in ([Shard(2)], [Shard(1)], [Shard(0)]):
+        check(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+              [q, kk, vv], [p, p, p], mesh)
+        check(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+              [q, kk, vv, bool_mask], [p, p, p, [Shard(0)]], mesh)
+    # only the query rows sharded (keys/values whole): causal masking needs each rank's row offset
+    mesh1, mesh2 = mesh, init_device_mesh("cpu", (2, 2))
+    for kv in ((k, v), (kk, vv)):
+        for mesh, pq, pkv in [(mesh1, [Shard(2)], [R]),
+                              (mesh2, [Shard(0), Shard(2)], [Shard(0), R]),
+                              (mesh2, [Shard(2), Shard(2)], [R, R])]:
+            for causal in (True, False):
+                check(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                      [q, *kv], [pq, pkv, pkv], mesh)
+
+
+@distributed(world_size=4)
+def test_sdpa_communication():
+    mesh = init_device_mesh("cpu", (2, 2))
+    q, k, v = (_rand(4, 4, 6, 8, seed=s) for s in range(3))
+    # batch on dp, heads on tp: attention is local, forward and backward
+    dq, dk, dv = (_dist(t, mesh, [Shard(0), Shard(1)]) for t in (q, k, v))
+    grad = distribute_tensor(_rand(4, 4, 6, 8, seed=9), mesh, [Shard(0), Shard(1)])
+    with CommDebugMode() as comm:
+        out = F.scaled_dot_product_attention(dq, dk, dv, is_causal=True)
+        grads = torch.autograd.grad(out, (dq, dk, dv), grad)
+    assert comm.get_total_counts() == 0
+    assert out.placements == (Shard(0), Shard(1))
+    assert all(g.placements == (Shard(0), Shard(1)) for g in grads)
+    # queries split by rows against whole keys/values (cross attention): local, keys/values get
+    # Partial grads
+    dq, dk, dv = _dist(q, mesh, [Shard(0), Shard(2)]), _dist(k, mesh, [Shard(0), R]), \
+        _dist(v, mesh, [Shard(0), R])
+    grad = distribute_tensor(_rand(4, 4, 6, 8, seed=9), mesh, [Shard(0), Shard(2)])
+    with CommDebugMode() as comm:
+        out = F.scaled_dot_product_attention(dq, dk, dv, is_causal=True)
+        grads = torch.autograd.grad(out, (dq, dk, dv), grad)
+    assert comm.get_total_counts() == 0
+    assert out.placements == (Shard(0), Shard(2))
+    assert [g.placements for g in grads] == [(Shard(0), Shard(2)), (Shard(0), Partial()),
+                                             (Shard(0), Partial())]
+    # sequence-sharded self-attention: cheaper to re-split q/k/v by heads (all-to-all, as in
+    # Ulysses) than to gather k and v ...
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    dq, dk, dv = (_dist(t, mesh, [Shard(0), Shard(2)]) for t in (q, k, v))
+    with CommDebugMode() as comm:
+        out = F.scaled_dot_product_attention(dq, dk, dv, is_causal=True)
+    assert comm.get_comm_counts() == {"all_to_all": 3}
+    torch.testing.assert_close(out.full_tensor(), ref)
+    # ... unless there are no heads to split: then only k and v are gathered, queries stay split
+    q1, k1, v1 = (_rand(1, 1, 8, 4, seed=s) for s in range(3))
+    dq, dk, dv = (_dist(t, mesh, [Shard(2), Shard(2)]) for t in (q1, k1, v1))
+    with CommDebugMode() as comm:
+        out = F.scaled_dot_product_attention(dq, dk, dv, is_causal=True)
+    assert comm.get_comm_counts() == {"all_gather": 4}  # k and v, over both mesh dims
+    assert out.placements == (Shard(2), Shard(2))
+    torch.testing.assert_close(out.full_tensor(),
+                               F.scaled_dot_product_attention(q1, k1, v1, is_causal=True))
+
+
+@distributed(world_size=4)
+def test_sdpa_math_path():
+    # a value head dim unlike the query's sends F.scaled_dot_product_attention down the math
+    # path on CPU (matmuls and aten._safe_softmax), which must work on DTensors as well
+    q, k, v = _rand(5, 3, 6, 8), _rand(5, 3, 7, 8, seed=1), _rand(5, 3, 7, 4, seed=2)
+    mask = _rand(6, 7, seed=3) > -1
+    mesh = init_device_mesh("cpu", (4,))
+    for p in ([Shard(0)], [Shard(1)], [R]):
+        check(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), [q, k, v], [p, p, p], mesh)
+        check(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+              [q, k, v, mask], [p, p, p, [R]], mesh)
+
+
+@distributed(world_size=4)
+def test_safe_softmax_over_sharded_dim():
+    x = _rand(4, 8)
+    x[1] = float("-inf")  # a fully masked row: 0, not NaN
+    x[2, :5] = float("-inf")
+    ref = aten._safe_softmax.default(x, -1)
+    for mesh, px in [(init_device_mesh("cpu", (4,)), [Shard(1)]),
+                     (init_device_mesh("cpu", (2, 2)), [Shard(1), Shard(1)]),
+                     (init_device_mesh("cpu", (4,)), [Shard(0)])]:
+        out = aten._safe_softmax.default(_dist(x, mesh, px, grad=False), -1)
+        torch.testing.assert_close(out.full_tensor(), ref)
