@@ -25,7 +25,9 @@ def _pad_to(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 def _identity_value(op: str, dtype: torch.dtype):
     if op in ("sum", "avg"):
-        return 0
+        # -0.0, not 0.0: x + (-0.0) is x bit for bit (x + 0.0 turns -0.0 into +0.0), and the
+        # planner takes S -> P(sum) -> R for small dims, which must be as exact as an all_gather
+        return complex(-0.0, -0.0) if dtype.is_complex else -0.0 if dtype.is_floating_point else 0
     if dtype == torch.bool:
         return op == "min"
     info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)

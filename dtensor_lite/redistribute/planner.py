@@ -20,7 +20,8 @@ A plan is a sequence of *steps*, each changing the placement of one mesh dim:
 
 A Shard can only be undone on the mesh dim that split the tensor dim last (innermost in the
 shard order), so the order of steps across mesh dims matters: the planner runs Dijkstra over
-states (placements + shard order) with cost ``(bytes, collectives, steps)``. Bytes are those of
+states (placements + shard order) with cost ``(bytes, collectives, steps, reductions)``, passing
+through Partial(sum) where that is cheaper even if neither end is Partial. Bytes are those of
 the rank holding the largest pieces (coordinate 0 everywhere) so every rank computes the same
 plan; the plan also records what this rank itself sends, which is what CommDebugMode measures.
 Plans are cached per (src spec, dst spec).
@@ -180,20 +181,29 @@ def _search(src: DTensorSpec, dst: DTensorSpec):
     ndim = len(shape)
     itemsize = src.dtype.itemsize
     zero = (0,) * len(mesh_shape)
-    ops = sorted({p.reduce_op for p in src.placements + dst.placements if p.is_partial()})
+    # Partial(sum) is always a candidate intermediate, not only when an end point has it: for a
+    # dim split into pieces smaller than the mesh (e.g. shape (1, 5, 3) as S(0) on 4 ranks),
+    # pad_to_partial + all_reduce (96 B) beats all_gather (180 B) and all_to_all + all_gather
+    # (120 B); without it the plan was not the cheapest under this very cost table.
+    ops = sorted({p.reduce_op for p in src.placements + dst.placements if p.is_partial()} | {"sum"})
     candidates = [Replicate()] + [Partial(op) for op in ops] + [Shard(d) for d in range(ndim)]
+    # rescale multiplies or divides by n locally: an integer P(avg) -> P(sum) became a float
+    # local tensor (and x / n cannot be exact under floor-division averages), a bool one an int
+    exact_rescale = src.dtype.is_floating_point or src.dtype.is_complex
     start = (src.placements, src.shard_order)
     goal = (dst.placements, dst.shard_order)
-    best = {start: (0, 0, 0)}
+    best = {start: (0, 0, 0, 0)}
     parent = {start: None}
-    heap = [((0, 0, 0), 0, start)]
+    heap = [((0, 0, 0, 0), 0, start)]
     counter = 1
+    done = set()
     while heap:
         cost, _, state = heapq.heappop(heap)
         if state == goal:
             break
-        if best.get(state, cost) < cost:
-            continue
+        if state in done:
+            continue  # a costlier entry of a state already expanded
+        done.add(state)
         placements, orders = state
         for i in range(len(mesh_shape)):
             p = placements[i]
@@ -201,15 +211,24 @@ def _search(src: DTensorSpec, dst: DTensorSpec):
                 if q == p:
                     continue
                 kind = _transition(p, q, i, orders)
-                if kind is None:
+                if kind is None or (kind == "rescale" and not exact_rescale):
                     continue
                 new_state = _apply(placements, orders, i, q)
-                if not _partials_compatible(new_state[0]):
+                if new_state in done:
+                    continue  # settled: its cheapest path is known (saves the byte arithmetic)
+                # only a step *to* a Partial can create a mix (Partial(sum) is always a candidate
+                # now, so this check ran for most moves and was a fifth of the search time)
+                if q.is_partial() and not _partials_compatible(new_state[0]):
                     continue
                 d = p.dim if p.is_shard() else (q.dim if q.is_shard() else None)
                 e = q.dim if (p.is_shard() and q.is_shard()) else None
                 nbytes = _step_bytes(kind, i, d, e, shape, orders, mesh_shape, zero, itemsize)
-                new_cost = (cost[0] + nbytes, cost[1] + (kind in _COLLECTIVES), cost[2] + 1)
+                # last tie-breaker: fewer reductions, so that with Partial(sum) always on offer a
+                # tie (e.g. [S0, S1] -> [S1, S0]: all_gather + all_to_all + chunk, or
+                # pad_to_partial + all_to_all + reduce_scatter, 64 B each) keeps the bit-exact
+                # gather path rather than depending on the heap's order
+                new_cost = (cost[0] + nbytes, cost[1] + (kind in _COLLECTIVES), cost[2] + 1,
+                            cost[3] + (kind in ("all_reduce", "reduce_scatter")))
                 if new_state not in best or new_cost < best[new_state]:
                     best[new_state] = new_cost
                     parent[new_state] = (state, i, q, kind, d, e, nbytes)
