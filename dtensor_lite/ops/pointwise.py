@@ -1,100 +1,458 @@
 """Elementwise ops: shard any output dim the inputs share (broadcast dims stay replicated);
-keep Partial where the op is linear in its Partial operand, resolve it everywhere else."""
+keep Partial where the op commutes with the Partial's reduction, resolve it everywhere else.
+
+Which ops: every aten overload tagged ``torch.Tag.pointwise`` (minus ``out=`` overloads, which the
+dispatcher routes through their functional op, seeded random ops, which ``random.py`` owns, and
+list ops, which ``foreach.py`` owns), plus the untagged elementwise ops listed in ``_EXTRA``.
+
+When a Partial survives (one strategy per mesh dim, picked by the dispatcher's cost model):
+
+* copies and casts that are linear / monotone for the dtypes involved keep any Partial;
+* ``neg``: sum/avg stay, max <-> min swap; non-decreasing unary ops keep max/min;
+* ``add``/``sub``/``rsub``/``where``/``masked_fill``: sum/avg when every operand is (made) Partial
+  -- a replicated DTensor operand becomes Partial for free (zeros off coordinate 0), and a Python
+  scalar or 0-d plain tensor is applied on coordinate 0 only, so ``P + 1`` adds 1 exactly once;
+  max/min when the other operands are replicated (a shift or a selection commutes with max);
+* ``mul``: one Partial(sum/avg) factor times replicated ones; by a Python scalar also max/min
+  (swapped for a negative scalar); ``div``: a Partial numerator over a replicated denominator;
+* ``lerp``/``addcmul``/``addcdiv``: jointly linear in (self, the other Partial operand);
+* ``maximum``/``minimum`` & co: monotone in each operand, so max/min Partials survive.
+"""
 from __future__ import annotations
 
 import torch
 
 from ..placements import Partial, Replicate, Shard
 from ..spec import DTensorSpec
-from ._registry import register_rule
+from ._registry import Decompose, FullStrategy, register_rule
 
 aten = torch.ops.aten
+R = Replicate()
 
-# f(x) that commute with a Partial reduction: kept Partial (copies keep every reduction)
-COPY_LIKE = ["clone", "detach", "alias", "_to_copy", "contiguous", "lift_fresh", "positive",
-             "_conj", "resolve_conj", "resolve_neg"]
-NEGATING = ["neg"]  # linear: keeps sum/avg
-ADDITIVE = ["add", "sub"]  # P + P -> P when every operand is a DTensor
-MULTIPLICATIVE = ["mul"]  # P * R -> P (one Partial operand)
-DIVIDING = ["div"]  # P / R -> P (Partial numerator only)
+__all__ = ["pointwise_strategies", "choose", "mutated_input", "input_locations",
+           "with_scalar_zeroing", "POINTWISE_OPS"]
 
-UNARY = [
-    "abs", "acos", "acosh", "asin", "asinh", "atan", "atanh", "bitwise_not", "ceil", "cos", "cosh",
-    "deg2rad", "digamma", "erf", "erfc", "erfinv", "exp", "exp2", "expm1", "floor", "frac",
-    "gelu", "hardsigmoid", "hardswish", "hardtanh", "i0", "isfinite", "isinf", "isnan",
-    "isneginf", "isposinf", "leaky_relu", "lgamma", "log", "log10", "log1p", "log2",
-    "logical_not", "logit", "mish", "nan_to_num", "rad2deg", "reciprocal", "relu", "relu6",
-    "round", "rsqrt", "sgn", "sigmoid", "sign", "signbit", "silu", "sin", "sinc", "sinh",
-    "softplus", "sqrt", "square", "tan", "tanh", "trunc", "elu", "celu", "selu", "glu_jvp",
-    "angle", "conj_physical", "bitwise_left_shift", "polygamma", "mvlgamma", "threshold",
-    "hardshrink", "softshrink", "clamp", "clamp_min", "clamp_max", "clip", "pow", "fill",
-    "native_dropout_backward", "sigmoid_backward", "tanh_backward", "threshold_backward",
-    "gelu_backward", "silu_backward", "hardtanh_backward", "leaky_relu_backward",
-    "elu_backward", "softplus_backward", "mish_backward", "hardsigmoid_backward",
-    "hardswish_backward", "logit_backward", "rsub", "remainder", "fmod", "atan2", "hypot",
-    "maximum", "minimum", "fmax", "fmin", "eq", "ne", "lt", "le", "gt", "ge", "logical_and",
-    "logical_or", "logical_xor", "bitwise_and", "bitwise_or", "bitwise_xor", "copysign",
-    "floor_divide", "true_divide", "xlogy", "special_xlog1py", "nextafter", "lerp", "addcmul",
-    "addcdiv", "where", "heaviside", "igamma", "igammac", "ldexp", "logaddexp", "logaddexp2",
-    "float_power", "masked_fill", "bitwise_right_shift", "fmod", "sub", "neg",
-    "to", "_to_copy", "zero", "exponential", "frexp", "isreal", "clamp_", "copy",
+_FLIP = {"sum": "sum", "avg": "avg", "max": "min", "min": "max"}
+_NUMBER = (int, float, bool, complex)
+
+# ------------------------------------------------------------------ which ops
+# elementwise but not tagged pointwise in this torch version
+_EXTRA = [
+    "_to_copy", "alias", "detach", "lift_fresh", "_conj", "resolve_conj", "resolve_neg",
+    "floor_divide", "float_power", "isreal", "hardswish", "abs_", "copysign_", "xlogy_",
+    "polygamma_", "where", "masked_fill", "rsub", "elu_backward", "hardtanh_backward",
+    "leaky_relu_backward", "softplus_backward", "hardswish_backward", "hardsigmoid_backward",
+    "mish_backward", "softshrink_backward", "hardshrink_backward", "native_dropout_backward",
+    "_conj_physical", "conj_physical", "clamp", "clip", "log_sigmoid_backward", "complex",
+    "polar", "_prelu_kernel", "_prelu_kernel_backward",
 ]
 
+# partial behaviour by base op name (in-place and functional variants alike)
+_COPY = {"clone", "alias", "detach", "lift_fresh", "positive", "_conj", "resolve_conj",
+         "resolve_neg", "contiguous"}
+_NON_DECREASING = {
+    "asinh", "atan", "ceil", "deg2rad", "erf", "exp", "exp2", "expm1", "floor", "rad2deg",
+    "relu", "relu6", "round", "sgn", "sigmoid", "sign", "sinh", "tanh", "trunc", "nan_to_num",
+    "hardshrink", "hardtanh", "hardsigmoid", "softplus", "selu", "special_i1", "clamp",
+    "clamp_min", "clamp_max", "clip",
+}
+_NON_INCREASING = {"erfc"}
+_MAXIMUM = {"maximum", "fmax", "max"}        # max.other: the binary elementwise overload
+_MINIMUM = {"minimum", "fmin", "min"}
 
-def _is_operand(a) -> bool:
-    return isinstance(a, (DTensorSpec, torch.Tensor, int, float, complex, bool))
+
+def _base(op) -> str:
+    name = op._schema.name.split("::")[-1]
+    return name[:-1] if name.endswith("_") and not name.endswith("__") else name
 
 
-def pointwise_strategies(call, partial_mode: str | None = None):
-    """Per-mesh-dim strategies for an elementwise op with broadcasting.
+def _candidate_names():
+    """Qualified names ("aten::add.Tensor") of every registered aten overload that is tagged
+    pointwise or named in _EXTRA. ``dir(aten)`` would only list the packets loaded so far, so
+    the coverage would depend on import order; the registry lists them all."""
+    extra = set(_EXTRA) | {n.rstrip("_") for n in _EXTRA}
+    out = []
+    for name in torch._C._dispatch_get_all_op_names():
+        if not name.startswith("aten::"):
+            continue
+        qualified, _, overload = name.partition(".")
+        base = qualified[len("aten::"):]
+        if base in extra or base.rstrip("_") in extra:
+            out.append((base, overload))
+            continue
+        if torch.Tag.pointwise in _tags(qualified, base, overload):
+            out.append((base, overload))
+    return out
 
-    ``partial_mode``: None (resolve Partial), "copy" (keep any Partial), "neg" (keep sum/avg),
-    "add" (all operands Partial alike), "mul" (one Partial operand), "div" (Partial numerator).
-    """
+
+def _tags(qualified, base, overload):
+    try:  # the tags without building an OpOverload object (3000 of those take ~1 s)
+        found = torch._C._get_operation_overload(qualified, overload)
+        return found[2] if found is not None else ()
+    except (AttributeError, TypeError, IndexError):  # private API changed: the slow way
+        return getattr(getattr(aten, base), overload or "default").tags
+
+
+def _discover():
+    keep = []
+    for base, overload in _candidate_names():
+        op = getattr(getattr(aten, base), overload or "default")
+        schema = op._schema
+        if torch.Tag.nondeterministic_seeded in op.tags:
+            continue  # random ops: random.py makes them reproducible across meshes
+        if any(a.is_out for a in schema.arguments):
+            continue  # the dispatcher runs out= through the functional overload
+        if any("[]" in str(a.type) for a in list(schema.arguments) + list(schema.returns)):
+            continue  # foreach / list ops (foreach.py), where(cond) -> nonzero (tensor_ops.py)
+        if not any("Tensor" in str(r.type) for r in schema.returns):
+            continue
+        keep.append(op)
+    return sorted(keep, key=str)
+
+
+# ------------------------------------------------------------------ shared helpers
+def input_locations(call) -> list:
+    """Where each DTensor input sits, in the dispatcher's flattening order: ``(k,)`` for
+    ``args[k]``, ``(k, m)`` for ``args[k][m]``, ``(name,)`` / ``(name, m)`` for kwargs."""
+    locs = []
+    for key, a in list(enumerate(call.args)) + list(call.kwargs.items()):
+        if isinstance(a, DTensorSpec):
+            locs.append((key,))
+        elif isinstance(a, (list, tuple)):
+            locs += [(key, m) for m, x in enumerate(a) if isinstance(x, DTensorSpec)]
+    return locs
+
+
+def mutated_input(call):
+    """Index in ``call.inputs`` of the DTensor an in-place op writes (its ``self``), else None."""
+    schema = call.op._schema
+    first = schema.arguments[0] if schema.arguments else None
+    if (first is not None and first.alias_info is not None and first.alias_info.is_write
+            and call.args and isinstance(call.args[0], DTensorSpec)):
+        return 0
+    return None
+
+
+def choose(call, strategies) -> FullStrategy:
+    """Per-mesh-dim choice among ``strategies`` as the dispatcher makes it (for rules whose local
+    computation depends on what was chosen), never mixing Partial(max|min) with another
+    reduction on one tensor: mesh dims choose independently, and P(max) on one with P(avg) on
+    another has no meaning. Such a mix is retried with one family of Partial strategies."""
+    from .._dispatch import _expand  # the dispatcher imports this package: import lazily
+    strategies = list(strategies)
+    mutated = mutated_input(call)
+    full = _expand(call, strategies, mutated)
+    if _consistent(full):
+        return full
+    for allowed in ({"sum", "avg"}, {"max"}, {"min"}, {"max", "min"}, set()):
+        subset = [s for s in strategies if _strategy_partials(s) <= allowed]
+        try:
+            full = _expand(call, subset, mutated)
+        except RuntimeError:  # an in-place destination needs a Partial this family lacks
+            continue
+        if _consistent(full):
+            return full
+    raise RuntimeError(f"{call.op}: no consistent placements for inputs {call.inputs}")
+
+
+def _strategy_partials(strategy) -> set:
+    outs, ins = strategy
+    outs = outs if isinstance(outs, (tuple, list)) else (outs,)
+    return {p.reduce_op for p in list(outs) + list(ins) if p is not None and p.is_partial()}
+
+
+def _consistent(full: FullStrategy) -> bool:
+    for pl in list(full.outs) + list(full.ins):
+        if pl is None:
+            continue
+        ops = {p.reduce_op for p in pl if p is not None and p.is_partial()}
+        if len(ops) > 1 and not ops <= {"sum", "avg"}:
+            return False
+    return True
+
+
+def target_spec(call, full: FullStrategy, j: int) -> DTensorSpec:
+    """Input j's spec after the redistribution ``full`` asks for (what local_fn will see)."""
+    spec = call.inputs[j]
+    want = full.ins[j]
+    if want is None or tuple(want) == spec.placements:
+        return spec
+    order = full.in_orders[j] if full.in_orders is not None else None
+    return DTensorSpec(spec.mesh, want, spec.tensor_meta, order)
+
+
+def _zero_like(v):
+    if isinstance(v, torch.Tensor):
+        return torch.zeros_like(v)
+    return type(v)(0)
+
+
+def with_scalar_zeroing(call, full: FullStrategy, value_slots) -> FullStrategy:
+    """Where the output is Partial(sum) on a mesh dim, additive scalar operands (Python numbers,
+    0-d plain tensors) at ``value_slots`` (arg positions or kwarg names) must count once: they
+    are applied on coordinate 0 of those mesh dims and replaced by 0 elsewhere."""
+    sum_dims = [i for i, p in enumerate(full.outs[0]) if p is not None and p.is_partial("sum")]
+    if not sum_dims:
+        return full
+    coord = call.mesh.get_coordinate()
+    if all(coord[i] == 0 for i in sum_dims):
+        return full
+    zero = [s for s in value_slots if _is_scalar(_get(call, s))]
+    if not zero:
+        return full
+    op = full.local_fn or call.op
+
+    def local_fn(*args, **kwargs):
+        args = list(args)
+        for s in zero:
+            if isinstance(s, int):
+                args[s] = _zero_like(args[s])
+            else:
+                kwargs[s] = _zero_like(kwargs[s])
+        return op(*args, **kwargs)
+
+    return FullStrategy(full.outs, full.ins, local_fn, full.out_orders, full.in_orders)
+
+
+def _get(call, slot):
+    if isinstance(slot, int):
+        return call.args[slot] if slot < len(call.args) else None
+    return call.kwargs.get(slot)
+
+
+def _is_scalar(a) -> bool:
+    return isinstance(a, _NUMBER) or (isinstance(a, torch.Tensor) and a.ndim == 0)
+
+
+def _number(a):
+    return a if isinstance(a, (int, float, bool)) else None
+
+
+def _n_outputs(op) -> int:
+    return sum(1 for r in op._schema.returns if "Tensor" in str(r.type))
+
+
+# ------------------------------------------------------------------ strategies
+def pointwise_strategies(call, n_out: int | None = None) -> list:
+    """Replicate, plus Shard(d) for every output dim d: inputs whose dim d is broadcast (size 1
+    against a larger output, or missing) stay replicated."""
     inputs = call.inputs
+    n_out = _n_outputs(call.op) if n_out is None else n_out
     out_ndim = max(s.ndim for s in inputs)
     out_shape = list(torch.broadcast_shapes(*[s.shape for s in inputs]))
-    n = len(inputs)
-    strategies = [((Replicate(),), (Replicate(),) * n)]
+    strategies = [((R,) * n_out, (R,) * len(inputs))]
     for d in range(out_ndim):
         ins = []
         for spec in inputs:
             dd = d - (out_ndim - spec.ndim)
-            ins.append(Shard(dd) if dd >= 0 and spec.shape[dd] == out_shape[d] else Replicate())
-        strategies.append(((Shard(d),), tuple(ins)))
-    if partial_mode is None:
-        return strategies
-    operands = [a for a in call.args if _is_operand(a)]
-    all_dtensor = all(isinstance(a, DTensorSpec) for a in operands)
-    if partial_mode == "copy":
-        for op in ("sum", "avg", "max", "min"):
-            strategies.append(((Partial(op),), (Partial(op),) * n))
-    elif partial_mode == "neg" or (partial_mode == "add" and all_dtensor):
-        for op in ("sum", "avg"):
-            strategies.append(((Partial(op),), (Partial(op),) * n))
-    elif partial_mode in ("mul", "div"):
-        positions = range(n) if partial_mode == "mul" else (
-            [0] if isinstance(call.args[0], DTensorSpec) else [])
-        for j in positions:
-            for op in ("sum", "avg"):
-                ins = [Replicate()] * n
-                ins[j] = Partial(op)
-                strategies.append(((Partial(op),), tuple(ins)))
+            ins.append(Shard(dd) if dd >= 0 and spec.shape[dd] == out_shape[d] else R)
+        strategies.append(((Shard(d),) * n_out, tuple(ins)))
     return strategies
 
 
-def _register(names, partial_mode=None):
-    for name in dict.fromkeys(names):
-        for variant in (name, name + "_"):
-            packet = getattr(aten, variant, None)
-            if packet is None:
+def _by_arg(call, out, placed: dict, default=R):
+    """One strategy: output ``out``; the DTensor at arg position k gets ``placed[k]``."""
+    ins = tuple(placed.get(loc[0], default) for loc in input_locations(call))
+    return ((out,), ins)
+
+
+def _partial_ops(call) -> list:
+    return sorted({p.reduce_op for s in call.inputs for p in s.placements if p.is_partial()})
+
+
+def _dt_positions(call, positions):
+    return [k for k in positions if isinstance(_get(call, k), DTensorSpec)]
+
+
+def _additive(call, ops, name):
+    """add/sub/rsub: sum/avg with every DTensor operand Partial (a replicated one becomes
+    Partial for free); max/min with one Partial operand shifted by replicated others (swapped
+    when that operand enters with a negative sign)."""
+    alpha = call.kwargs.get("alpha", call.args[2] if len(call.args) > 2 else 1)
+    s = (alpha > 0) - (alpha < 0) if isinstance(alpha, (int, float)) else 0
+    # the sign each operand enters with: a + alpha*b, a - alpha*b, and rsub's b - alpha*a
+    signs = {"add": (1, s), "sub": (1, -s), "rsub": (-s, 1)}[name]
+    dts = _dt_positions(call, (0, 1))
+    out = []
+    for r in ops:
+        if r in ("sum", "avg"):
+            out.append(_by_arg(call, Partial(r), {k: Partial(r) for k in dts}))
+            continue
+        for k in dts:
+            if signs[k]:
+                out.append(_by_arg(call, Partial(r if signs[k] > 0 else _FLIP[r]), {k: Partial(r)}))
+    return out
+
+
+def _selecting(call, ops, value_positions):
+    """where / masked_fill: the result takes each element from one of the value operands, so any
+    reduction commutes when every value operand is Partial alike (replicated ones become Partial
+    for free: zeros off coordinate 0 for sum, the value itself for avg/max/min)."""
+    dts = _dt_positions(call, value_positions)
+    return [_by_arg(call, Partial(r), {k: Partial(r) for k in dts}) for r in ops]
+
+
+def _scaling(call, ops, name):
+    """mul: exactly one Partial(sum/avg) factor; div: a Partial numerator. A Python-scalar factor
+    keeps max/min too (swapped when negative)."""
+    dts = _dt_positions(call, (0, 1))
+    factors = dts if name == "mul" else [k for k in dts if k == 0]
+    out = []
+    for r in ops:
+        if r in ("sum", "avg"):
+            out += [_by_arg(call, Partial(r), {k: Partial(r)}) for k in factors]
+        elif len(dts) == 1 and dts[0] == 0:
+            c = _number(call.args[1]) if len(call.args) > 1 else None
+            if c is None or (name == "div" and c == 0):
                 continue
-            register_rule(packet)(lambda call, m=partial_mode: pointwise_strategies(call, m))
+            out.append(_by_arg(call, Partial(r if c >= 0 else _FLIP[r]), {0: Partial(r)}))
+    return out
 
 
-_register(UNARY)
-_register(COPY_LIKE, "copy")
-_register(NEGATING, "neg")
-_register(ADDITIVE, "add")
-_register(MULTIPLICATIVE, "mul")
-_register(DIVIDING, "div")
+def _monotone_binary(call, ops, keep):
+    """maximum-like (keep='max') / minimum-like: f(., y) is non-decreasing, so one Partial(max or
+    min) operand with a replicated other survives; both Partial(keep) survive too."""
+    dts = _dt_positions(call, (0, 1))
+    out = [_by_arg(call, Partial(keep), {k: Partial(keep) for k in dts})] if keep in ops else []
+    for r in ops:
+        if r in ("max", "min"):
+            out += [_by_arg(call, Partial(r), {k: Partial(r)}) for k in dts]
+    return out
+
+
+def _cast_keeps(src: torch.dtype, dst: torch.dtype, r: str) -> bool:
+    """Does casting src -> dst commute with the reduction r over ranks?"""
+    if src == dst:
+        return True
+    if torch.bool in (src, dst):
+        return False  # bool(a + b) != bool(a) + bool(b), and not monotone for negatives
+    if r in ("sum", "avg"):
+        if dst.is_floating_point or dst.is_complex:
+            return True  # linear up to rounding (complex -> real drops a part linearly)
+        # truncating floats is not linear; integer -> integer wraps linearly (sum only)
+        return r == "sum" and not (src.is_floating_point or src.is_complex)
+    # max / min need a non-decreasing cast
+    if src.is_complex or dst.is_complex:
+        return False
+    if dst.is_floating_point:
+        return True
+    if not dst.is_signed and (src.is_floating_point or src.is_signed):
+        return False  # negatives wrap around
+    return src.is_floating_point or dst.itemsize >= src.itemsize  # no overflow wrap-around
+
+
+def _partial_strategies(call, name, ops) -> list:
+    n_out = _n_outputs(call.op)
+    if n_out != 1 or not ops:
+        return []
+    nd = len(call.inputs)
+    if name in _COPY:
+        return [((Partial(r),), (Partial(r),) * nd) for r in ops]
+    if name == "_to_copy":
+        dst = call.kwargs.get("dtype") or call.inputs[0].dtype
+        return [((Partial(r),), (Partial(r),)) for r in ops
+                if _cast_keeps(call.inputs[0].dtype, dst, r)]
+    if name == "neg":
+        return [((Partial(_FLIP[r]),), (Partial(r),)) for r in ops]
+    if name in ("add", "sub", "rsub"):
+        return _additive(call, ops, name)
+    if name in ("mul", "div") and not (name == "div" and "rounding_mode" in call.kwargs
+                                       and call.kwargs["rounding_mode"] is not None):
+        return _scaling(call, ops, name)
+    if name == "where":
+        return _selecting(call, ops, (1, 2))
+    if name == "masked_fill":
+        return _selecting(call, ops, (0, 2))
+    if name == "lerp":
+        return [_by_arg(call, Partial(r), {0: Partial(r), 1: Partial(r)})
+                for r in ops if r in ("sum", "avg")]
+    if name in ("addcmul", "addcdiv"):
+        factors = (1, 2) if name == "addcmul" else (1,)
+        return [_by_arg(call, Partial(r), {0: Partial(r), k: Partial(r)})
+                for r in ops if r in ("sum", "avg") for k in factors]
+    if name in _MAXIMUM or (name == "clamp_min" and nd == 2):
+        return _monotone_binary(call, ops, "max")
+    if name in _MINIMUM or (name == "clamp_max" and nd == 2):
+        return _monotone_binary(call, ops, "min")
+    if name in ("clamp", "clip") and isinstance(call.args[0], DTensorSpec):
+        # non-decreasing in self for fixed (replicated) bounds
+        return [_by_arg(call, Partial(r), {0: Partial(r)}) for r in ops if r in ("max", "min")]
+    if nd == 1 and (name in _NON_DECREASING or _monotone_with_args(call, name)):
+        return [((Partial(r),), (Partial(r),)) for r in ops if r in ("max", "min")]
+    if nd == 1 and name in _NON_INCREASING:
+        return [((Partial(_FLIP[r]),), (Partial(r),)) for r in ops if r in ("max", "min")]
+    return []
+
+
+def _monotone_with_args(call, name) -> bool:
+    """Ops that are non-decreasing for some argument values only."""
+    if name == "leaky_relu":
+        slope = call.args[1] if len(call.args) > 1 else call.kwargs.get("negative_slope", 0.01)
+        return isinstance(slope, (int, float)) and slope >= 0
+    if name in ("elu", "celu"):
+        alpha = call.args[1] if len(call.args) > 1 else call.kwargs.get("alpha", 1.0)
+        return isinstance(alpha, (int, float)) and alpha > 0
+    if name == "threshold":  # x if x > t else v: non-decreasing iff v <= t
+        return len(call.args) > 2 and call.args[2] <= call.args[1]
+    return False
+
+
+# slots of additive scalar operands that must count once under Partial(sum)
+_VALUE_SLOTS = {"add": (0, 1), "sub": (0, 1), "rsub": (0, 1), "where": (1, 2),
+                "masked_fill": (2,)}
+
+
+def _to_copy_on_device(call):
+    """``_to_copy(..., device=d)`` (autograd's backward of a cast passes the device): the pieces
+    stay where the mesh keeps them, so a same-device ``device=`` is dropped (the metadata pass
+    cannot copy a meta tensor "to cpu"); a real move between devices is refused."""
+    device = torch.device(call.kwargs["device"])
+    mesh_type = call.mesh.device_type
+    if device.type != mesh_type:
+        raise ValueError(f"{call.op}: moving a DTensor on a {mesh_type!r} mesh to {device} is not "
+                         "supported; build the DTensor on a mesh of that device type instead "
+                         "(e.g. distribute_tensor(t.to(device), mesh_on_device, placements))")
+
+    def run(x, *args, **kwargs):
+        kwargs.pop("device")
+        return aten._to_copy.default(x, *args, **kwargs)
+    return Decompose(run)
+
+
+def pointwise_rule(call):
+    name = _base(call.op)
+    if name == "_to_copy" and call.kwargs.get("device") is not None:
+        return _to_copy_on_device(call)
+    strategies = pointwise_strategies(call)
+    ops = _partial_ops(call)
+    if not ops:
+        return strategies  # nothing Partial: the dispatcher expands the list itself
+    # Partial strategies last: on a tie the plain Shard/Replicate ones win
+    full = choose(call, strategies + _partial_strategies(call, name, ops))
+    if name in _VALUE_SLOTS:
+        full = with_scalar_zeroing(call, full, _VALUE_SLOTS[name])
+    return full
+
+
+@register_rule(aten.log_sigmoid_forward.default)
+def _log_sigmoid_forward(call):
+    """(output, buffer), both elementwise. CUDA kernels return an empty buffer (their backward
+    ignores it) where the metadata pass promises the input's shape: such a buffer is replaced by
+    a zero-memory expanded one of the promised shape."""
+    strategies = pointwise_strategies(call, n_out=2)
+    if call.mesh.device_type == "cpu":
+        return strategies
+    full = choose(call, strategies)
+
+    def run(x):
+        out, buffer = aten.log_sigmoid_forward.default(x)
+        if buffer.shape != x.shape:
+            buffer = x.new_zeros(()).expand(x.shape)
+        return out, buffer
+    full.local_fn = run
+    return full
+
+
+POINTWISE_OPS = _discover()
+for _op in POINTWISE_OPS:
+    register_rule(_op)(pointwise_rule)
