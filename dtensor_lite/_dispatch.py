@@ -200,6 +200,8 @@ def _meta_outputs(op, args, kwargs):
             return torch.empty_strided(s.shape, s.stride, dtype=s.dtype, device="meta")
         if isinstance(a, torch.Tensor):
             return a.to("meta")
+        if isinstance(a, torch.device):
+            return torch.device("meta")  # e.g. _to_copy(device=cpu): no data may leave meta
         return a
     try:
         return op(*tree_map(to_meta, list(args)), **tree_map(to_meta, dict(kwargs)))

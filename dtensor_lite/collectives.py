@@ -33,10 +33,14 @@ def all_reduce_cost(numel: int, itemsize: int, n: int) -> int:
     return 2 * (n - 1) * (-(-numel // n)) * itemsize if n > 1 else 0
 
 
+# dtypes gloo cannot move, and the wider dtype each travels as (exact both ways)
+_WIRE_DTYPES = {torch.bool: torch.uint8, torch.int16: torch.int32}
+
+
 def _wire(t: torch.Tensor) -> torch.Tensor:
     """A contiguous tensor of a dtype every backend can move (bool travels as uint8)."""
-    if t.dtype == torch.bool:
-        t = t.to(torch.uint8)
+    if t.dtype in _WIRE_DTYPES:
+        t = t.to(_WIRE_DTYPES[t.dtype])
     elif t.is_complex():
         t = torch.view_as_real(t)
     return t.contiguous()
@@ -45,6 +49,8 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
 def _unwire(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     if like.dtype == torch.bool:
         return t != 0
+    if like.dtype in _WIRE_DTYPES:
+        return t.to(like.dtype)
     if like.is_complex():
         return torch.view_as_complex(t)
     return t

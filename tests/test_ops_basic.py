@@ -168,3 +168,24 @@ def test_mixing_plain_tensor_and_missing_rule_errors():
     torch.testing.assert_close((dx + torch.tensor(2.0)).full_tensor(), dx.full_tensor() + 2)
     with pytest.raises(NotImplementedError, match="register_sharding"):
         torch.linalg.eigh(dx)
+
+
+@distributed(world_size=4)
+def test_dtypes_gloo_cannot_move_travel_widened():
+    mesh = _mesh()
+    x = (torch.randn(5, 3) * 100).to(torch.int16)
+    d = distribute_tensor(x, mesh, [Shard(0), Replicate()])
+    assert torch.equal(d.full_tensor(), x)
+    assert d.full_tensor().dtype == torch.int16
+    m = torch.randn(5, 3) > 0
+    assert torch.equal(distribute_tensor(m, mesh, [Shard(1), Shard(0)]).full_tensor(), m)
+
+
+@distributed(world_size=4)
+def test_double_backward_cast_and_custom_rule_partials_stay_consistent():
+    mesh = _mesh()
+    x = torch.randn(4, 6, requires_grad=True)
+    dx = distribute_tensor(x.detach(), mesh, [Shard(0), Shard(1)]).requires_grad_()
+    dx.double().sum().backward()  # backward of .double() is _to_copy(device=cpu)
+    x.double().sum().backward()
+    torch.testing.assert_close(dx.grad.full_tensor(), x.grad)

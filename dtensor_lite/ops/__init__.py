@@ -1,6 +1,6 @@
 """Sharding rules, one module per op family. Importing this package registers them all."""
 from . import _registry  # noqa: F401
-from . import pointwise, matrix, reduction, tensor_ops, view  # noqa: F401
+from . import pointwise, matrix, reduction, tensor_ops, indexing, view  # noqa: F401
 from . import random, foreach  # noqa: F401
 from . import nn  # noqa: F401
 from . import loss  # noqa: F401

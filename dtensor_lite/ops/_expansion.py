@@ -60,6 +60,8 @@ def expand_strategies(call: OpCall, strategies, mutated=None) -> FullStrategy:
                     ins[mutated] not in (None, inputs[mutated].placements[i])
                     or outs[0] != inputs[mutated].placements[i]):
                 continue  # an in-place op writes its result where its destination already is
+            if not _partials_stay_compatible(chosen, outs, ins):
+                continue  # e.g. P(max) on one mesh dim and P(avg) on another has no meaning
             cost, exact = 0.0, True
             for spec, q in zip(inputs, ins):
                 if q is None:
@@ -72,6 +74,9 @@ def expand_strategies(call: OpCall, strategies, mutated=None) -> FullStrategy:
             if best is None or rank < best[0]:
                 best = (rank, outs, ins)
         if best is None:
+            if mutated is None:
+                raise RuntimeError(f"{call.op}: no sharding strategy fits inputs "
+                                   f"{[list(x.placements) for x in inputs]} (a bug in the rule)")
             raise RuntimeError(
                 f"{call.op}: no sharding strategy keeps the in-place destination's placement "
                 f"{list(inputs[mutated].placements)}; use the out-of-place op")
@@ -88,6 +93,22 @@ def expand_strategies(call: OpCall, strategies, mutated=None) -> FullStrategy:
             inputs[j].placements[i] if p is None else p for i, p in enumerate(pl)))
     in_orders, out_orders = _transfer_orders(inputs, ins, outs)
     return FullStrategy(outs, ins, None, out_orders, in_orders)
+
+
+def _partials_stay_compatible(chosen, outs, ins) -> bool:
+    """Would adding (outs, ins) for the next mesh dim mix Partial reductions on one tensor?
+    sum and avg mix (both linear); max/min only with themselves."""
+    for k, p in enumerate(tuple(outs) + tuple(ins)):
+        if p is None or not p.is_partial():
+            continue
+        ops = {p.reduce_op}
+        for c in chosen:
+            prev = (tuple(c[1]) + tuple(c[2]))[k] if k < len(c[1]) + len(c[2]) else None
+            if prev is not None and prev.is_partial():
+                ops.add(prev.reduce_op)
+        if len(ops) > 1 and not ops <= {"sum", "avg"}:
+            return False
+    return True
 
 
 def _transfer_orders(inputs, ins, outs):
