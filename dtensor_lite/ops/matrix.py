@@ -71,3 +71,21 @@ def _dtensor_arg(a):
     if not isinstance(a, DTensorSpec):
         raise TypeError("the bias of addmm/baddbmm must be a DTensor when its matrices are")
     return a
+
+
+@register_rule(aten.dot)
+def _dot(call):
+    # a 1-D contraction: sharded halves give partial sums
+    return [((R,), (R, R)), ((Partial("sum"),), (Shard(0), Shard(0)))]
+
+
+@register_rule(aten.mv)
+def _mv(call):
+    return [((R,), (R, R)), ((Shard(0),), (Shard(0), R)),
+            ((Partial("sum"),), (Shard(1), Shard(0)))]
+
+
+@register_rule(aten._linalg_svd)
+def _svd(call):
+    # no sharded SVD here: the factorisation runs on the whole matrix, on every rank
+    return [((R, R, R), (R,))]
