@@ -1,5 +1,11 @@
-"""fsdp: ``fully_shard`` (per-parameter sharding) on top of dtensor_lite -- not built yet.
+"""fsdp: ``fully_shard`` -- per-parameter sharding (FSDP2-style) as a thin hook layer over DTensor.
 
-This package is reserved for the FSDP issue; it exports nothing today.
+Parameters become ``Shard(0)`` DTensors; forward/backward hooks all-gather them into plain
+unsharded tensors around each module's compute and reduce-scatter the gradients back into the
+DTensor ``.grad``. Public names mirror ``torch.distributed.fsdp``. See docs/fsdp.md.
 """
-__all__: list[str] = []
+from .api import FSDPModule, UnshardHandle, fully_shard
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy",
+           "CPUOffloadPolicy"]

@@ -1,0 +1,354 @@
+"""``fully_shard`` and ``FSDPModule``: the public surface of fsdp (names as in PyTorch).
+
+Apply ``fully_shard`` bottom-up: each call makes one parameter group of the parameters under its
+module(s) that no earlier call took, shards them as DTensors, and hooks the module(s)::
+
+    >>> mesh = init_device_mesh("cpu", (4,))
+    >>> for block in model.layers:
+    ...     fully_shard(block, mesh=mesh)
+    >>> fully_shard(model, mesh=mesh)       # the root: embeddings, final norm, output
+    >>> opt = torch.optim.AdamW(model.parameters())   # DTensor Shard(0) parameters
+    >>> model(tokens).sum().backward(); opt.step()
+"""
+from __future__ import annotations
+
+import functools
+from typing import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dtensor_lite import DTensor, DeviceMesh, Shard, init_device_mesh
+
+from . import hooks
+from .mesh_info import MeshInfo
+from .param import FSDPParam
+from .param_group import ParamGroup, ShardState
+from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from .state import FSDPState, all_states
+
+__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy",
+           "OffloadPolicy", "CPUOffloadPolicy"]
+
+
+def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
+                reshard_after_forward: bool | int = True,
+                shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
+                mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                offload_policy: OffloadPolicy = OffloadPolicy(),
+                ignored_params: Iterable[nn.Parameter] | None = None):
+    """Shard ``module``'s parameters over ``mesh`` and all-gather them around its forward and
+    backward. Returns ``module``, whose class is now ``FSDP<Class>`` (also an ``FSDPModule``).
+
+    * ``module``: a module, or a list of modules that share one parameter group (one all-gather
+      and one reduce-scatter for all of them).
+    * ``mesh``: 1-D (FSDP) or 2-D ``(replicate, shard)`` (HSDP). Default: all ranks, 1-D, on
+      CUDA if available, else CPU.
+    * ``reshard_after_forward``: ``True`` frees the unsharded parameters after forward and
+      all-gathers them again in backward (ZeRO-3); ``False`` keeps them until the end of backward
+      (ZeRO-2); an int ``N`` dividing the shard size keeps a 1/N piece after forward and
+      all-gathers within groups of N ranks in backward. The root always keeps its parameters
+      (backward starts right after its forward) unless set otherwise explicitly.
+    * ``shard_placement_fn(param)``: ``Shard(d)`` to shard ``param`` on dim ``d``; ``None``: dim 0.
+    * ``mp_policy``: :class:`MixedPrecisionPolicy`. ``offload_policy``: :class:`CPUOffloadPolicy`
+      to keep sharded parameters and gradients on the CPU.
+    * ``ignored_params``: parameters left alone (not sharded, not reduced).
+
+    Example::
+
+        >>> fully_shard(model.layers[0], mesh=mesh, reshard_after_forward=False)
+        >>> fully_shard(model, mesh=init_device_mesh("cpu", (2, 2)))        # HSDP
+    """
+    modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
+    _check_modules(modules)
+    if mesh is None:
+        mesh = _default_mesh()
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"fully_shard: mesh must be a dtensor_lite DeviceMesh, got "
+                        f"{type(mesh).__name__}")
+    device = _mesh_device(mesh)
+    info = MeshInfo(mesh)
+    _check_reshard_after_forward(reshard_after_forward, info)
+    if not isinstance(mp_policy, MixedPrecisionPolicy):
+        raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise TypeError(f"fully_shard: offload_policy must be an OffloadPolicy, got "
+                        f"{offload_policy!r}")
+    offload = isinstance(offload_policy, CPUOffloadPolicy)
+    ignored = {id(p) for p in (ignored_params or ())}
+
+    managed = _collect_params(modules, ignored)
+    fsdp_params = []
+    for param, owners in managed:
+        where = _where(owners)
+        _check_param(param, where, mesh, device)
+        dim = _shard_dim(param, where, shard_placement_fn)
+        fsdp_params.append(FSDPParam(param, owners, info, dim, device, offload,
+                                     getattr(offload_policy, "pin_memory", False)))
+    group = None
+    if fsdp_params:
+        group = ParamGroup(fsdp_params, modules, info, mp_policy, offload, device)
+        group.reshard_after_forward = reshard_after_forward
+        if group._post_forward_n():
+            info.post_forward(reshard_after_forward)  # creates process groups: on every rank now
+    state = FSDPState(modules, group, mp_policy)
+    for m in modules:
+        m._fsdp_state = state
+        m.register_forward_pre_hook(functools.partial(hooks.pre_forward, state), prepend=True,
+                                    with_kwargs=True)
+        # always_call: a forward that raises still ends the use (else the next one is skipped)
+        m.register_forward_hook(functools.partial(hooks.post_forward, state), always_call=True)
+        m.__class__ = _fsdp_class(type(m))
+    return module
+
+
+class UnshardHandle:
+    """Returned by ``FSDPModule.unshard(async_op=True)``; ``wait()`` finishes the all-gather."""
+
+    def __init__(self, group: ParamGroup | None):
+        self._group = group
+
+    def wait(self):
+        g = self._group
+        if g is not None:
+            g.wait_unshard()
+        self._group = None
+
+
+class FSDPModule:
+    """Mixin of every module that ``fully_shard`` was applied to (``isinstance(m, FSDPModule)``)."""
+
+    def _get_fsdp_state(self) -> FSDPState:
+        return self.__dict__["_fsdp_state"]
+
+    def _fsdp_modules(self, recurse: bool):
+        mods = self.modules() if recurse else [self]
+        return [m for m in mods if isinstance(m, FSDPModule)]
+
+    def unshard(self, async_op: bool = False) -> UnshardHandle | None:
+        """All-gather this module's parameters now (not recursive). With ``async_op`` return a
+        handle; its ``wait()`` (or the module's next forward) finishes the all-gather.
+
+        Example::
+
+            >>> model.layers[1].unshard(async_op=True)   # overlap with layer 0's forward
+        """
+        group = self._get_fsdp_state().group
+        if group is not None and group.state is not ShardState.UNSHARDED:
+            group.start_unshard()
+        handle = UnshardHandle(group)
+        if async_op:
+            return handle
+        handle.wait()
+        return None
+
+    def reshard(self) -> None:
+        """Free this module's unsharded parameters; its attributes are the sharded DTensor
+        parameters again (not recursive). ``model.reshard()``"""
+        group = self._get_fsdp_state().group
+        if group is not None:
+            group.reshard()
+
+    def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
+        """``False``: backward accumulates unsharded gradients without communication (gradient
+        accumulation; HSDP skips the all-reduce too); the next backward with ``True`` reduces the
+        sum. ``model.set_requires_gradient_sync(False)``"""
+        for m in self._fsdp_modules(recurse):
+            if (g := m._get_fsdp_state().group) is not None:
+                g.reduce_grads = bool(requires_gradient_sync)
+
+    def set_reshard_after_forward(self, reshard_after_forward: bool | int, recurse: bool = True):
+        """Change ``reshard_after_forward`` at run time (also on the root, whose default is to
+        keep its parameters). ``model.set_reshard_after_forward(False)`` for evaluation."""
+        if not isinstance(reshard_after_forward, bool):
+            raise ValueError(f"set_reshard_after_forward takes a bool, got "
+                             f"{reshard_after_forward!r}")
+        for m in self._fsdp_modules(recurse):
+            state = m._get_fsdp_state()
+            state.root_keeps_params = False
+            if state.group is not None:
+                state.group.reshard_after_forward = reshard_after_forward
+                state.group.is_root = False
+
+    def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
+        """``False`` keeps parameters unsharded after backward, saving the next forward's
+        all-gather during gradient accumulation (they are stale after an optimizer step: set it
+        back to ``True`` for the last micro-batch)."""
+        for m in self._fsdp_modules(recurse):
+            if (g := m._get_fsdp_state().group) is not None:
+                g.reshard_after_backward = bool(reshard_after_backward)
+
+    def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]):
+        """All-gather ``modules`` right after this module's all-gather in forward (replaces the
+        implicit prefetch of the next module).
+        ``layers[i].set_modules_to_forward_prefetch([layers[i + 1]])``"""
+        self._get_fsdp_state().forward_prefetch = [_state_of(m) for m in modules]
+
+    def set_modules_to_backward_prefetch(self, modules: list["FSDPModule"]):
+        """All-gather ``modules`` right after this module's all-gather in backward (replaces the
+        implicit prefetch of the module that ran before it in forward)."""
+        self._get_fsdp_state().backward_prefetch = [_state_of(m) for m in modules]
+
+    def set_gradient_divide_factor(self, factor: float):
+        """Divide this module's reduced gradients by ``factor`` instead of the data-parallel size
+        (not recursive, as in PyTorch). ``model.set_gradient_divide_factor(1.0)`` sums."""
+        if (g := self._get_fsdp_state().group) is not None:
+            g.divide_factor = float(factor)
+
+    def set_is_last_backward(self, is_last_backward: bool):
+        """``False``: the coming backward is not the last before the optimizer step, so its last
+        reduce-scatter may stay in flight (finished by the next backward)."""
+        state = self._get_fsdp_state()
+        if state.ctx is None:
+            state.init_as_root()
+        state.ctx.is_last_backward = bool(is_last_backward)
+
+
+# ===================================================================== helpers
+_CLASSES: dict[type, type] = {}
+
+
+def _fsdp_class(cls: type) -> type:
+    if issubclass(cls, FSDPModule):
+        return cls
+    if cls not in _CLASSES:
+        _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+    return _CLASSES[cls]
+
+
+def _state_of(module) -> FSDPState:
+    if not isinstance(module, FSDPModule):
+        raise TypeError(f"prefetch targets must be modules that fully_shard was applied to, got "
+                        f"{type(module).__name__}")
+    return module._get_fsdp_state()
+
+
+def _check_modules(modules):
+    if not modules:
+        raise ValueError("fully_shard got an empty list of modules")
+    for m in modules:
+        if not isinstance(m, nn.Module):
+            raise TypeError(f"fully_shard takes nn.Module(s), got {type(m).__name__}")
+        if isinstance(m, FSDPModule) or "_fsdp_state" in m.__dict__:
+            raise RuntimeError(
+                f"fully_shard was already applied to this {type(m).__name__}; apply it once per "
+                "module (bottom-up: blocks first, then the root)")
+    if len({id(m) for m in modules}) != len(modules):
+        raise ValueError("fully_shard got the same module twice in its list")
+
+
+def _default_mesh() -> DeviceMesh:
+    if not dist.is_initialized():
+        raise RuntimeError("fully_shard needs torch.distributed: call init_process_group first "
+                           "(or pass mesh=)")
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    return init_device_mesh(device_type, (dist.get_world_size(),))
+
+
+def _mesh_device(mesh: DeviceMesh) -> torch.device:
+    if mesh.device_type == "cpu":
+        return torch.device("cpu")
+    if mesh.device_type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"fully_shard: the mesh {mesh} is a 'cuda' mesh but CUDA is not "
+                             "available here; build a 'cpu' mesh (init_device_mesh('cpu', ...))")
+        return torch.device("cuda", torch.cuda.current_device())
+    raise ValueError(f"fully_shard supports 'cpu' and 'cuda' meshes, got a "
+                     f"'{mesh.device_type}' mesh {mesh}")
+
+
+def _check_reshard_after_forward(value, info: MeshInfo):
+    if isinstance(value, bool):
+        return
+    if not isinstance(value, int) or not 1 <= value <= info.shard_size or \
+            info.shard_size % value:
+        raise ValueError(
+            f"reshard_after_forward must be True, False or an int N dividing the shard size "
+            f"{info.shard_size} (N ranks keep the parameters between forward and backward); got "
+            f"{value!r}")
+
+
+def _is_fsdp_root(module, top) -> bool:
+    return module is not top and (isinstance(module, FSDPModule)
+                                  or "_fsdp_state" in module.__dict__)
+
+
+def _collect_params(modules, ignored: set[int]):
+    """``[(param, [(module, name), ...])]`` of every parameter under ``modules`` that no earlier
+    ``fully_shard`` call manages, in registration order; a shared parameter appears once."""
+    owners: dict[int, tuple[nn.Parameter, list]] = {}
+    visited: set[int] = set()
+    in_group = {id(m) for m in modules}
+
+    def visit(m, top):
+        if id(m) in visited or (m is not top and (id(m) in in_group or _is_fsdp_root(m, top))):
+            return
+        visited.add(id(m))
+        for name, p in m._parameters.items():
+            if p is None or id(p) in ignored:
+                continue
+            owners.setdefault(id(p), (p, []))[1].append((m, name))
+        for child in m._modules.values():
+            if child is not None:
+                visit(child, top)
+
+    for top in modules:
+        visit(top, top)
+    result = list(owners.values())
+    _check_not_managed(result)
+    return result
+
+
+def _check_not_managed(params):
+    managed = {}
+    for st in all_states():
+        if st.group is not None:
+            for p in st.group.params:
+                managed[id(p.sharded)] = st
+                original = p.original()
+                if original is not None:
+                    managed[id(original)] = st
+    for param, owners in params:
+        st = managed.get(id(param))
+        if st is not None:
+            raise ValueError(
+                f"parameter {_where(owners)} is already managed by fully_shard("
+                f"{type(st.modules[0]).__name__}): a parameter can belong to one group only. "
+                "Shard the modules that share it in one call (fully_shard([a, b])) or leave it to "
+                "their common parent, and apply fully_shard bottom-up")
+        if isinstance(param, DTensor):
+            raise ValueError(
+                f"parameter {_where(owners)} is already a DTensor (placements "
+                f"{list(param.placements)}); fully_shard on DTensor parameters (FSDP over tensor "
+                "parallelism) is not supported yet: pass it in ignored_params")
+
+
+def _where(owners) -> str:
+    module, name = owners[0]
+    return f"'{name}' of {type(module).__name__}"
+
+
+def _check_param(param, where, mesh, device):
+    if param.ndim == 0:
+        raise ValueError(f"parameter {where} is 0-d and cannot be sharded; pass it in "
+                         "ignored_params")
+    kind = param.device.type
+    if kind not in ("meta", device.type) and not (kind == "cpu" and device.type != "cpu"):
+        raise ValueError(f"parameter {where} is on {param.device} but the mesh is a "
+                         f"'{mesh.device_type}' mesh; move the module to the mesh's device type "
+                         "(or build the mesh for the parameters' device) before fully_shard")
+
+
+def _shard_dim(param, where, fn) -> int:
+    placement = fn(param) if fn is not None else None
+    if placement is None:
+        return 0
+    if type(placement) is not Shard:
+        raise TypeError(f"shard_placement_fn must return Shard(dim) or None, got {placement!r} "
+                        f"for parameter {where}")
+    dim = placement.dim + param.ndim if placement.dim < 0 else placement.dim
+    if not 0 <= dim < param.ndim:
+        raise ValueError(f"shard_placement_fn returned {placement!r} for the {param.ndim}-D "
+                         f"parameter {where}")
+    return dim

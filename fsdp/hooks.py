@@ -1,0 +1,217 @@
+"""The forward / backward hooks that schedule unshard, reshard and reduce-scatter.
+
+Timeline of one training step for a group G (not the root)::
+
+    pre-forward   unshard G (all-gather; or wait for a prefetch), prefetch the next group,
+                  publish G's unsharded tensors on its modules through ``_Unsharded``
+    post-forward  reshard G (unless reshard_after_forward=False / root), hook G's outputs
+    pre-backward  (hook on an output's gradient) unshard G again, prefetch the previous group
+    post-backward (``_Unsharded.backward``: all gradients of this use are in) when it was the
+                  last pending use: reduce-scatter G's gradients, reshard G
+    end of backward (one autograd-engine callback per backward) finish leftovers, wait for the
+                  last reduce-scatter, reshard everything
+
+``_Unsharded`` is how autograd learns about the unsharded parameters: its forward returns the
+unsharded tensors (aliases of FSDP's buffers), so every op of the module that uses them saves and
+differentiates them as usual; its backward receives, in one call, the gradients of all of them
+for that forward use. It takes the sharded parameters as inputs only so that its outputs require
+grad; it returns no gradient for them (FSDP writes the reduced gradient itself).
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import torch
+import torch.nn as nn
+
+from .param_group import ShardState
+from .state import FSDPState
+
+__all__ = ["pre_forward", "post_forward", "map_tensors", "collect_tensors"]
+
+
+# ===================================================================== autograd glue
+class _Unsharded(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, *sharded_trainable):
+        ctx.group = group
+        ctx.set_materialize_grads(False)  # unused parameters give None, not zero tensors
+        outs = tuple(group.unsharded_aliases())
+        frozen = [o for o, p in zip(outs, group.params) if not p.requires_grad]
+        if frozen:
+            ctx.mark_non_differentiable(*frozen)
+        return outs
+
+    @staticmethod
+    def backward(ctx, *grads):
+        group = ctx.group
+        _post_backward(group, [grads[i] for i in group.trainable])
+        return (None,) * (1 + len(group.trainable))
+
+
+def _post_backward(group, grads):
+    ctx = group.root_ctx
+    ctx.on_backward()
+    group.accumulate(grads)
+    group.uses_pending = max(group.uses_pending - 1, 0)
+    if group.uses_pending == 0:
+        ctx.finish_group(group)
+
+
+def _publish_for_forward(group):
+    """Give the group's modules fresh unsharded tensors for this forward use."""
+    if torch.is_grad_enabled() and group.trainable:
+        tensors = _Unsharded.apply(group, *[group.params[i].sharded for i in group.trainable])
+        group.uses_pending += 1
+        group.needs_reduce = True
+    else:
+        tensors = group.unsharded_aliases()
+    group.publish(tensors)
+
+
+# ===================================================================== forward hooks
+def pre_forward(state: FSDPState, module: nn.Module, args, kwargs):
+    if state.ctx is None:
+        state.init_as_root()
+    ctx = state.ctx
+    new_use = not state.to_run
+    if new_use:
+        state.to_run = {id(m) for m in state.modules}
+        if state.is_root:
+            ctx.begin_iteration()
+        group = state.group
+        if group is not None:
+            group.unshard(keep_post_forward_piece=torch.is_grad_enabled())
+            ctx.forward_order.append(group)
+            _prefetch_forward(state, ctx)
+            _publish_for_forward(group)
+    mp = state.mp_policy
+    if mp.cast_forward_inputs and mp.param_dtype is not None:
+        args, kwargs = map_tensors(_caster(mp.param_dtype), (args, kwargs))
+    return args, kwargs
+
+
+def post_forward(state: FSDPState, module: nn.Module, args, output):
+    state.to_run.discard(id(module))
+    use_done = not state.to_run
+    group = state.group
+    if use_done and group is not None:
+        group.reshard_post_forward()
+        state.ctx.post_forward_order.append(group)
+    grad_outputs = [t for t in collect_tensors(output) if t.requires_grad]
+    if torch.is_grad_enabled():
+        for t in grad_outputs:
+            t.register_hook(_PreBackward(state))
+    if use_done and state.is_root and (not torch.is_grad_enabled() or not grad_outputs):
+        state.ctx.end_forward_without_backward()
+    if state.mp_policy.output_dtype is not None:
+        output = map_tensors(_caster(state.mp_policy.output_dtype), output)
+    return output
+
+
+class _PreBackward:
+    """Tensor hook on a forward output: its gradient is about to flow into the module."""
+    __slots__ = ("state",)
+
+    def __init__(self, state):
+        self.state = state
+
+    def __call__(self, grad):
+        state = self.state
+        state.ctx.on_backward()
+        group = state.group
+        if group is None:
+            return None
+        if group.state is not ShardState.UNSHARDED:
+            group.unshard()
+        if not group.prefetched_in_backward:
+            group.prefetched_in_backward = True
+            _prefetch_backward(state, state.ctx)
+        return None
+
+
+# ===================================================================== prefetching
+def _prefetch(groups):
+    for g in groups:
+        if g is not None and g.state is not ShardState.UNSHARDED:
+            g.start_unshard()
+
+
+def _prefetch_forward(state: FSDPState, ctx):
+    if state.forward_prefetch is not None:
+        return _prefetch([s.group for s in state.forward_prefetch])
+    # implicit: the group that followed this one in the previous iteration's forward
+    pos = len(ctx.forward_order) - 1
+    prev = ctx.prev_forward_order
+    if pos + 1 < len(prev) and prev[pos] is state.group and prev[pos + 1] is not state.group:
+        _prefetch([prev[pos + 1]])
+
+
+def _prefetch_backward(state: FSDPState, ctx):
+    if state.backward_prefetch is not None:
+        return _prefetch([s.group for s in state.backward_prefetch])
+    # implicit: the group whose forward finished just before this one's (last) forward did
+    order = ctx.post_forward_order
+    group = state.group
+    for i in range(len(order) - 1, -1, -1):
+        if order[i] is group:
+            for j in range(i - 1, -1, -1):
+                if order[j] is not group:
+                    if order[j].uses_pending > 0:
+                        _prefetch([order[j]])
+                    return
+            return
+
+
+# ===================================================================== pytrees
+def _caster(dtype: torch.dtype) -> Callable:
+    def cast(t: torch.Tensor):
+        return t.to(dtype) if t.is_floating_point() and t.dtype != dtype else t
+    return cast
+
+
+def map_tensors(fn: Callable, obj: Any) -> Any:
+    """``obj`` with ``fn`` applied to every tensor inside lists, tuples, namedtuples, dicts and
+    dataclasses (rebuilt only where something changed)."""
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        changes = {}
+        for f in dataclasses.fields(obj):
+            old = getattr(obj, f.name)
+            new = map_tensors(fn, old)
+            if new is not old:
+                changes[f.name] = new
+        if not changes:
+            return obj
+        out = __import__("copy").copy(obj)
+        for name, value in changes.items():
+            object.__setattr__(out, name, value)  # also works for frozen dataclasses
+        return out
+    if isinstance(obj, (list, tuple)):
+        items = [map_tensors(fn, x) for x in obj]
+        if all(a is b for a, b in zip(items, obj)):
+            return obj
+        if hasattr(obj, "_fields"):  # namedtuple
+            return type(obj)(*items)
+        return type(obj)(items)
+    if isinstance(obj, dict):
+        items = {k: map_tensors(fn, v) for k, v in obj.items()}
+        if all(items[k] is obj[k] for k in obj):
+            return obj
+        try:
+            return type(obj)(items)
+        except TypeError:
+            return items
+    return obj
+
+
+def collect_tensors(obj: Any) -> list[torch.Tensor]:
+    out: list[torch.Tensor] = []
+
+    def visit(t):
+        out.append(t)
+        return t
+    map_tensors(visit, obj)
+    return out

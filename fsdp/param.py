@@ -1,0 +1,305 @@
+"""Per-parameter state: the sharded DTensor parameter, its unsharded buffer, and padding.
+
+A managed parameter of global shape ``G`` sharded on tensor dim ``d`` over ``S`` ranks is stored as
+an ``nn.Parameter`` wrapping a DTensor ``Shard(d)`` (``torch.chunk`` pieces: ``ceil(G[d] / S)`` rows
+per rank, trailing ranks may hold fewer or none). Padding exists only inside the communication
+buffers: in the flat all-gather / reduce-scatter buffers every rank's piece takes the full
+``ceil(G[d] / S)`` rows ("padded shard"), so all ranks send equal-sized chunks; copy-out trims it.
+
+Shards on ``d != 0`` are laid out with ``d`` moved to the front (``movedim(d, 0)``) inside the
+buffers, so the padding rule is the same for every dim.
+
+The unsharded parameter lives in ``raw``, a plain tensor owned by FSDP and never seen by autograd.
+Modules see *aliases* of it (``raw.data``: same storage, own version counter), so refilling
+``raw`` in backward does not count as an in-place change of a tensor that autograd saved.
+Resharding frees ``raw``'s storage (``resize_(0)``); the aliases that autograd saved point at the
+same storage and see the data again once it is re-gathered into it.
+"""
+from __future__ import annotations
+
+import math
+import weakref
+
+import torch
+import torch.nn as nn
+
+from dtensor_lite import DTensor, distribute_tensor
+from dtensor_lite.spec import DTensorSpec, TensorMeta, chunk_range
+
+__all__ = ["FSDPParam"]
+
+
+def _contiguous_stride(shape) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
+
+
+class FSDPParam:
+    """One managed parameter.
+
+    ``owners`` lists every ``(module, attribute name)`` that refers to the parameter (tied
+    weights have several); publishing a tensor writes it into all of them.
+    """
+
+    def __init__(self, param: nn.Parameter, owners: list[tuple[nn.Module, str]], mesh_info,
+                 shard_dim: int, device: torch.device, offload: bool, pin_memory: bool):
+        self.owners = owners
+        self.fqn = owners[0][1] if owners else "?"
+        self.mesh_info = mesh_info
+        self.shard_dim = shard_dim
+        self.device = device
+        self.offload = offload
+        self.pin_memory = pin_memory and offload and torch.cuda.is_available()
+        self.raw: torch.Tensor | None = None      # unsharded data (plain, FSDP-owned)
+        self._raw_nbytes = 0
+        self._inner: list[torch.Tensor] = []       # extension tensors whose storage is freed too
+        self._inner_nbytes: list[int] = []
+        self._ext_meta = None                       # fsdp_pre_all_gather metadata
+        self._ext_shapes: list[torch.Size] = []
+        self.sharded = self._shard(param)
+        self._init_geometry()
+        # the replaced plain parameter: another module that still refers to it (a weight tied
+        # across two fully_shard calls) must be refused, not silently untied
+        self.original = weakref.ref(param)
+        self.publish(self.sharded)
+
+    # ----------------------------------------------------------------- building the shard
+    def _shard(self, param: nn.Parameter) -> nn.Parameter:
+        info = self.mesh_info
+        data = param.detach()
+        if data.device.type not in ("meta", self.device.type):
+            data = data.to(self.device)
+        # every rank holds the same full tensor (or a meta one): slice locally, no communication
+        dt = distribute_tensor(data, info.mesh, info.placements(self.shard_dim), src_data_rank=None)
+        if self.offload and self.device.type != "cpu" and data.device.type != "meta":
+            with torch.no_grad():
+                local = dt.to_local().cpu()
+            if self.pin_memory:
+                local = local.pin_memory()
+            dt = self._wrap_local(local, dt)
+        return nn.Parameter(dt, requires_grad=param.requires_grad)
+
+    def _wrap_local(self, local: torch.Tensor, like: DTensor) -> DTensor:
+        """A DTensor with ``like``'s layout around ``local`` (dtype and device from ``local``)."""
+        mesh, placements = like.device_mesh, like.placements
+        if local.device.type == mesh.device_type or local.device.type == "meta":
+            with torch.no_grad():
+                return DTensor.from_local(local, mesh, placements, shape=like.shape,
+                                          stride=like.stride())
+        # CPU offload on a GPU mesh: from_local would move the piece to the mesh's device, so
+        # build the DTensor directly (a from_local(..., keep_device=True) would replace this)
+        meta = TensorMeta(like.shape, like.stride(), local.dtype)
+        return DTensor(local, DTensorSpec(mesh, placements, meta))
+
+    # ----------------------------------------------------------------- geometry
+    def _init_geometry(self):
+        """Sizes in the flat buffers; fixed by the global shape, so computed once."""
+        shape = tuple(self.sharded.shape)
+        world = self.mesh_info.shard_size
+        rest = list(shape)
+        self.rows = rest.pop(self.shard_dim)
+        self.shape = torch.Size(shape)
+        self.moved_rest = tuple(rest)
+        self.row_numel = math.prod(rest)
+        self.chunk_rows = -(-self.rows // world)
+        self.padded_numel = self.chunk_rows * self.row_numel  # one rank's piece, padded
+        self.local_rows = chunk_range(self.rows, world, self.mesh_info.shard_rank)[1]
+
+    @property
+    def requires_grad(self) -> bool:
+        return self.sharded.requires_grad
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.sharded.dtype
+
+    def local_tensor(self) -> torch.Tensor:
+        """This rank's piece (call under no_grad: to_local is then a plain attribute read)."""
+        return self.sharded.to_local()
+
+    # ----------------------------------------------------------------- all-gather inputs
+    def all_gather_inputs(self, param_dtype, module, mp_policy) -> list[tuple[torch.Tensor, int]]:
+        """``(flat tensor, padded numel)`` per all-gather input; shorter tensors are zero-padded.
+
+        Without an extension: this rank's piece (dim ``d`` first), in the all-gather dtype.
+        With ``fsdp_pre_all_gather`` on the local tensor (PyTorch's extension protocol): whatever
+        it returns; each input must have the same shape on every rank.
+        """
+        local = self.local_tensor()
+        world = self.mesh_info.shard_size
+        if self.offload and local.device != self.device:
+            local = local.to(self.device, non_blocking=True)
+        if hasattr(local, "fsdp_pre_all_gather"):
+            if not hasattr(local, "fsdp_post_all_gather"):
+                raise TypeError(f"parameter {self.fqn}: its tensor type {type(local).__name__} "
+                                "defines fsdp_pre_all_gather but not fsdp_post_all_gather; define "
+                                "both")
+            if self.shard_dim != 0:
+                raise ValueError(f"parameter {self.fqn}: all-gather extensions need Shard(0), got "
+                                 f"Shard({self.shard_dim})")
+            inputs, self._ext_meta = local.fsdp_pre_all_gather(
+                self.mesh_info.shard_mesh, self.shape, _contiguous_stride(self.shape), module,
+                mp_policy)
+            chunk = self.chunk_rows
+            for t in inputs:
+                if local.shape[0] != chunk and (t.ndim == 0 or t.shape[0] != chunk):
+                    raise ValueError(
+                        f"parameter {self.fqn} is sharded unevenly ({self.rows} rows over {world} "
+                        f"ranks): fsdp_pre_all_gather must return inputs padded to {chunk} rows, "
+                        f"got shapes {[tuple(t.shape) for t in inputs]}")
+            self._ext_shapes = [t.shape for t in inputs]
+            return [(t.reshape(-1), t.numel()) for t in inputs]
+        x = local.movedim(self.shard_dim, 0) if self.shard_dim else local
+        if param_dtype is not None and x.is_floating_point():
+            x = x.to(param_dtype)
+        return [(x.reshape(-1), self.padded_numel)]
+
+    def all_gather_dtype(self, param_dtype) -> torch.dtype:
+        if param_dtype is not None and self.dtype.is_floating_point:
+            return param_dtype
+        return self.dtype
+
+    # ----------------------------------------------------------------- unsharded storage
+    def copy_out(self, gathered: list[torch.Tensor], world: int, param_dtype):
+        """Fill ``raw`` from this parameter's segments of the all-gather output.
+
+        ``gathered[j]`` is a ``(world, numel_j)`` view: row ``r`` is rank ``r``'s input ``j``.
+        """
+        local = self.local_tensor()
+        if hasattr(local, "fsdp_post_all_gather"):
+            return self._copy_out_extension(local, gathered, world, param_dtype)
+        dtype = self.all_gather_dtype(param_dtype)
+        if self.raw is None or self.raw.dtype != dtype or self.raw.shape != self.shape:
+            self.raw = torch.empty(self.shape, dtype=dtype, device=self.device)
+            self._raw_nbytes = self.raw.untyped_storage().nbytes()
+        self.alloc()
+        chunk = self.chunk_rows
+        src = gathered[0].unflatten(1, (chunk,) + self.moved_rest)      # (world, chunk, *rest)
+        dst = self.raw.movedim(self.shard_dim, 0) if self.shard_dim else self.raw
+        _rows_from_chunks(dst, src, self.rows, chunk)
+
+    def _copy_out_extension(self, local, gathered, world, param_dtype):
+        dtype = param_dtype if param_dtype is not None else self.dtype
+        outputs = [g.reshape(-1).view((world * s[0],) + tuple(s[1:])) if len(s) else g.reshape(-1)
+                   for g, s in zip(gathered, self._ext_shapes)]
+        if self.raw is not None and self.raw.dtype == dtype:
+            self.alloc()
+            local.fsdp_post_all_gather(outputs, self._ext_meta, dtype, out=self.raw)
+            return
+        full, inner = local.fsdp_post_all_gather(outputs, self._ext_meta, dtype)
+        # the result may keep the padded rows: view the global shape at its start
+        self.raw = full if full.shape == self.shape else full.as_strided(
+            self.shape, _contiguous_stride(self.shape), 0)
+        self._inner = [t for t in inner if t.untyped_storage().data_ptr()
+                       != self.raw.untyped_storage().data_ptr()]
+        self._raw_nbytes = self.raw.untyped_storage().nbytes()
+        self._inner_nbytes = [t.untyped_storage().nbytes() for t in self._inner]
+
+    def alloc(self):
+        if self.raw is not None and self.raw.untyped_storage().nbytes() == 0:
+            self.raw.untyped_storage().resize_(self._raw_nbytes)
+            for t, n in zip(self._inner, self._inner_nbytes):
+                t.untyped_storage().resize_(n)
+
+    def free(self):
+        """Release the unsharded data (the tensor objects stay, with empty storage)."""
+        if self.raw is not None:
+            self.raw.untyped_storage().resize_(0)
+            for t in self._inner:
+                t.untyped_storage().resize_(0)
+
+    def unsharded_nbytes(self) -> int:
+        """Bytes currently held by the unsharded data (0 when resharded)."""
+        if self.raw is None:
+            return 0
+        return self.raw.untyped_storage().nbytes() + sum(
+            t.untyped_storage().nbytes() for t in self._inner)
+
+    # ----------------------------------------------------------------- what modules see
+    def publish(self, tensor: torch.Tensor):
+        """Make every owner's attribute refer to ``tensor`` (sharded param or unsharded alias).
+
+        Written straight into ``_parameters``: an unsharded alias is a plain tensor (possibly
+        an autograd output), which ``nn.Module.__setattr__`` would refuse as a parameter.
+        """
+        for module, name in self.owners:
+            module._parameters[name] = tensor
+
+    def adopt_replaced_param(self):
+        """If the user assigned a new parameter object while sharded, manage that one instead."""
+        module, name = self.owners[0]
+        current = module._parameters.get(name)
+        if current is self.sharded or current is None or not isinstance(current, nn.Parameter):
+            return
+        old = self.sharded
+        if not isinstance(current, DTensor) or (current.device_mesh, current.placements,
+                                                current.shape) != (old.device_mesh,
+                                                                   old.placements, old.shape):
+            raise ValueError(
+                f"parameter {name} of {type(module).__name__} was replaced by a tensor that is not "
+                f"a DTensor with FSDP's layout {list(self.sharded.placements)} and shape "
+                f"{tuple(self.shape)}; assign sharded values in place instead (param.copy_)")
+        self.sharded = current
+        self.publish(current)
+
+    # ----------------------------------------------------------------- gradients
+    def pack_grad(self, grad: torch.Tensor | None, dst: torch.Tensor):
+        """Copy the unsharded ``grad`` into ``dst`` ``(world, padded numel)``, zero-padded."""
+        chunk = self.chunk_rows
+        dst3 = dst.unflatten(1, (chunk,) + self.moved_rest)
+        if grad is None:
+            dst.zero_()
+            return
+        src = grad.movedim(self.shard_dim, 0) if self.shard_dim else grad
+        _rows_to_chunks(dst3, src, self.rows, chunk)
+
+    def local_grad_from(self, reduced: torch.Tensor) -> torch.Tensor:
+        """This rank's piece of the reduced gradient from its padded segment ``reduced`` (1-D)."""
+        chunk = self.chunk_rows
+        g = reduced.view((chunk,) + self.moved_rest)[:self.local_rows]
+        if self.shard_dim:
+            g = g.movedim(0, self.shard_dim)
+        return g.to(self.dtype)
+
+    def accumulate_grad(self, local_grad: torch.Tensor):
+        """Add this rank's reduced piece into the sharded parameter's (DTensor) ``.grad``."""
+        if self.offload and local_grad.device.type != "cpu":
+            local_grad = local_grad.to("cpu")
+        param = self.sharded
+        with torch.no_grad():
+            if param.grad is None:
+                param.grad = self._wrap_local(local_grad.contiguous(), param)
+            else:
+                param.grad.to_local().add_(local_grad)
+
+
+def _rows_from_chunks(dst: torch.Tensor, src: torch.Tensor, rows: int, chunk: int):
+    """dst[i] = src[i // chunk, i % chunk] for the first ``rows`` rows (drops the padding)."""
+    if chunk == 0 or rows == 0:
+        return
+    full = rows // chunk
+    if full:
+        dst[:full * chunk].unflatten(0, (full, chunk)).copy_(src[:full])
+    rem = rows - full * chunk
+    if rem:
+        dst[full * chunk:].copy_(src[full, :rem])
+
+
+def _rows_to_chunks(dst: torch.Tensor, src: torch.Tensor, rows: int, chunk: int):
+    """The inverse of ``_rows_from_chunks``, zero-filling the padding rows."""
+    if chunk == 0:
+        return
+    full = rows // chunk
+    if full:
+        dst[:full].copy_(src[:full * chunk].unflatten(0, (full, chunk)))
+    rem = rows - full * chunk
+    used = full
+    if rem:
+        dst[full, :rem].copy_(src[full * chunk:])
+        dst[full, rem:].zero_()
+        used += 1
+    if used < dst.shape[0]:
+        dst[used:].zero_()

@@ -1,0 +1,312 @@
+"""One parameter group per ``fully_shard`` call: flat buffers, unshard / reshard, reduce-scatter.
+
+Unshard = copy every parameter's local piece (padded to its chunk) into ONE flat buffer, ONE
+``collectives.flat_all_gather``, then copy each parameter's pieces out into its unsharded tensor.
+Reduce = pack the unsharded gradients (padded) into ONE flat buffer per gradient dtype, ONE
+``collectives.flat_reduce_scatter``, (HSDP: ONE ``collectives.all_reduce`` across replicas),
+divide, and add each piece into the sharded parameter's DTensor ``.grad``.
+
+Buffer layout (per rank; the all-gather output is ``world`` such chunks, rank order)::
+
+    | p0 piece, padded | p1 piece, padded | ... |        one dtype: offsets in elements
+    | f32 inputs ... |pad| bf16 inputs ... |pad| i8 ..| mixed dtypes: a uint8 buffer with
+                                                      16-byte aligned segments (one collective)
+
+The group also counts its *uses*: each forward call that ran with grad creates one autograd node
+(``hooks._Unsharded``); when the last of them has received its gradients the group reduces and
+reshards. The end-of-backward callback finishes groups some of whose uses never got gradients.
+"""
+from __future__ import annotations
+
+import enum
+
+import torch
+
+from dtensor_lite import collectives as C
+
+from .param import FSDPParam
+from .streams import Streams
+
+__all__ = ["ParamGroup", "ShardState"]
+
+_ALIGN = 16  # bytes; segment alignment in mixed-dtype buffers (any dtype can view it)
+
+
+class ShardState(enum.Enum):
+    SHARDED = "sharded"
+    SHARDED_POST_FORWARD = "sharded_post_forward"  # reshard_after_forward=N: N-way between passes
+    UNSHARDED = "unsharded"
+
+
+class _Layout:
+    """Offsets of every all-gather input inside one rank's chunk of the flat buffer."""
+
+    def __init__(self, specs: list[list[tuple[int, torch.dtype]]]):
+        dtypes = {dtype for per_param in specs for _, dtype in per_param}
+        self.mixed = len(dtypes) > 1
+        self.dtype = torch.uint8 if self.mixed else (dtypes.pop() if dtypes else torch.uint8)
+        self.offsets: list[list[tuple[int, int, torch.dtype]]] = []  # (offset, numel, dtype)
+        pos = 0
+        for per_param in specs:
+            row = []
+            for numel, dtype in per_param:
+                if self.mixed:
+                    pos = -(-pos // _ALIGN) * _ALIGN
+                    row.append((pos, numel, dtype))
+                    pos += numel * dtype.itemsize
+                else:
+                    row.append((pos, numel, dtype))
+                    pos += numel
+            self.offsets.append(row)
+        self.chunk = -(-pos // _ALIGN) * _ALIGN if self.mixed else pos
+
+    def _view(self, flat2d: torch.Tensor, off: int, numel: int, dtype: torch.dtype):
+        if not self.mixed:
+            return flat2d[:, off:off + numel]
+        return flat2d[:, off:off + numel * dtype.itemsize].view(dtype)
+
+    def inputs(self, flat: torch.Tensor) -> list[list[torch.Tensor]]:
+        """1-D views of one rank's chunk, per parameter, per input."""
+        flat2d = flat.view(1, -1)
+        return [[self._view(flat2d, o, n, d)[0] for o, n, d in row] for row in self.offsets]
+
+    def outputs(self, flat: torch.Tensor, world: int) -> list[list[torch.Tensor]]:
+        """``(world, numel)`` views of the gathered buffer, per parameter, per input."""
+        flat2d = flat.view(world, self.chunk)
+        return [[self._view(flat2d, o, n, d) for o, n, d in row] for row in self.offsets]
+
+
+class _PendingAllGather:
+    __slots__ = ("work", "inp", "out", "layout", "world", "from_post_forward")
+
+    def __init__(self, work, inp, out, layout, world, from_post_forward):
+        self.work, self.inp, self.out, self.layout = work, inp, out, layout
+        self.world, self.from_post_forward = world, from_post_forward
+
+
+class PendingReduce:
+    """A reduce-scatter in flight: finished (waited, divided, written) by ``ParamGroup.finish``."""
+    __slots__ = ("group", "buckets")
+
+    def __init__(self, group, buckets):
+        self.group, self.buckets = group, buckets  # [(params, offsets, work, inp, out, grads)]
+
+
+class ParamGroup:
+    def __init__(self, params: list[FSDPParam], modules, mesh_info, mp_policy, offload: bool,
+                 device: torch.device):
+        self.params = params
+        self.modules = modules
+        self.mesh_info = mesh_info
+        self.mp_policy = mp_policy
+        self.offload = offload
+        self.device = device
+        self.streams = Streams.shared(device)
+        self.trainable = [i for i, p in enumerate(params) if p.requires_grad]
+        self.state = ShardState.SHARDED
+        self.name = type(modules[0]).__name__
+        # policy knobs (FSDPModule.set_*)
+        self.reshard_after_forward: bool | int = True
+        self.is_root = False               # the root keeps its parameters through backward
+        self.root_ctx = None               # state.RootContext, set at the root's lazy init
+        self.reshard_after_backward = True
+        self.reduce_grads = True           # set_requires_gradient_sync
+        self.divide_factor: float | None = None
+        # per-step state
+        self._pending_ag: _PendingAllGather | None = None
+        self._post_forward_buf: torch.Tensor | None = None
+        self._post_forward_layout: _Layout | None = None
+        self._post_forward_n_at_reshard: int | None = None
+        self.uses_pending = 0              # forward uses whose backward has not run yet
+        self.needs_reduce = False          # some use with grad ran since the last reduce
+        self.grads: list[torch.Tensor | None] = [None] * len(self.trainable)
+        self.prefetched_in_backward = False
+
+    # ================================================================= unshard
+    @property
+    def param_dtype(self):
+        return self.mp_policy.param_dtype
+
+    def _post_forward_n(self) -> int | None:
+        """N of ``reshard_after_forward=N`` when it means a real N-way group, else None."""
+        n = self.reshard_after_forward
+        if isinstance(n, bool) or self.is_root or n >= self.mesh_info.shard_size:
+            return None
+        return n if n > 1 else None
+
+    def reshards_after_forward(self) -> bool:
+        n = self.reshard_after_forward
+        if self.is_root:
+            return False
+        return n is True or (not isinstance(n, bool) and n > 1)
+
+    def start_unshard(self):
+        """Issue the all-gather (asynchronously); ``wait_unshard`` finishes it."""
+        if self.state is ShardState.UNSHARDED or self._pending_ag is not None:
+            return
+        info = self.mesh_info
+        with torch.no_grad():
+            if self.state is ShardState.SHARDED_POST_FORWARD:
+                mesh, dim = info.post_forward(self._post_forward_n_at_reshard)
+                inp, layout = self._post_forward_buf, self._post_forward_layout
+                with self.streams.side("all_gather"):
+                    out = inp.new_empty(inp.numel() * mesh.size(dim))
+                    work = C.flat_all_gather(out, inp, mesh, dim, async_op=True)
+                self._pending_ag = _PendingAllGather(work, inp, out, layout, info.shard_size, True)
+                return
+            for p in self.params:
+                p.adopt_replaced_param()
+            module = self.modules[0]
+            world = info.shard_size
+            # on the side stream from here: the inputs (casts, host-to-device copies of offloaded
+            # shards) are allocated there too, so nothing the copy-in reads is freed under it
+            with self.streams.side("all_gather"):
+                inputs = [p.all_gather_inputs(self.param_dtype, module, self.mp_policy)
+                          for p in self.params]
+                layout = _Layout([[(numel, t.dtype) for t, numel in per_param]
+                                  for per_param in inputs])
+                inp = torch.empty(layout.chunk, dtype=layout.dtype, device=self.device)
+                for per_param, views in zip(inputs, layout.inputs(inp)):
+                    for (t, _), view in zip(per_param, views):
+                        n = t.numel()
+                        view[:n].copy_(t, non_blocking=True)
+                        if n < view.numel():
+                            view[n:].zero_()
+                out = torch.empty(layout.chunk * world, dtype=layout.dtype, device=self.device)
+                if world > 1 and layout.chunk:
+                    work = C.flat_all_gather(out, inp, info.mesh, info.shard_dim, async_op=True)
+                else:
+                    work = None
+                    out.copy_(inp)
+            self._pending_ag = _PendingAllGather(work, inp, out, layout, world, False)
+
+    def wait_unshard(self, keep_post_forward_piece: bool = False):
+        pending = self._pending_ag
+        if pending is None:
+            return
+        self._pending_ag = None
+        with torch.no_grad():
+            if pending.work is not None:
+                pending.work.wait()
+            n = self._post_forward_n()
+            if keep_post_forward_piece and n and not pending.from_post_forward:
+                # keep 1/n of the whole gathered buffer for the N-way re-gather in backward
+                mesh, dim = self.mesh_info.post_forward(n)
+                size = pending.out.numel() // n
+                j = mesh.get_local_rank(dim)
+                self._post_forward_buf = pending.out[j * size:(j + 1) * size].clone()
+                self._post_forward_layout = pending.layout
+                self._post_forward_n_at_reshard = n
+            for p, segments in zip(self.params, pending.layout.outputs(pending.out, pending.world)):
+                p.copy_out(segments, pending.world, self.param_dtype)
+        self.state = ShardState.UNSHARDED
+        # unsharded <=> modules show unsharded tensors (a forward use replaces these with
+        # autograd-tracked ones)
+        self.publish(self.unsharded_aliases())
+
+    def unshard(self, keep_post_forward_piece: bool = False):
+        self.start_unshard()
+        self.wait_unshard(keep_post_forward_piece)
+
+    # ================================================================= reshard
+    def reshard(self):
+        """Free the unsharded parameters; modules see the sharded DTensor parameters again."""
+        self.wait_unshard()
+        for p in self.params:
+            p.free()
+            p.publish(p.sharded)
+        self._post_forward_buf = None
+        self._post_forward_layout = None
+        self.state = ShardState.SHARDED
+
+    def reshard_post_forward(self):
+        if not self.reshards_after_forward() or self.state is not ShardState.UNSHARDED:
+            return
+        if self._post_forward_buf is None:
+            return self.reshard()
+        for p in self.params:
+            p.free()
+            p.publish(p.sharded)
+        self.state = ShardState.SHARDED_POST_FORWARD
+
+    # ================================================================= publishing
+    def publish(self, tensors):
+        for p, t in zip(self.params, tensors):
+            p.publish(t)
+
+    def unsharded_aliases(self) -> list[torch.Tensor]:
+        return [p.raw.data for p in self.params]
+
+    # ================================================================= gradients
+    def accumulate(self, grads):
+        """Add one use's unsharded gradients (one per trainable param, None if it got none)."""
+        reduce_dtype = self.mp_policy.reduce_dtype
+        for k, g in enumerate(grads):
+            if g is None:
+                continue
+            if reduce_dtype is not None and g.dtype != reduce_dtype:
+                g = g.to(reduce_dtype)
+            acc = self.grads[k]
+            self.grads[k] = g if acc is None else acc + g
+
+    def start_reduce(self) -> PendingReduce | None:
+        """Pack and issue the reduce-scatter(s) of the accumulated gradients."""
+        self.needs_reduce = False
+        if not self.trainable:
+            return None
+        grads, self.grads = self.grads, [None] * len(self.trainable)
+        info = self.mesh_info
+        world = info.shard_size
+        reduce_dtype = self.mp_policy.reduce_dtype
+        buckets: dict[torch.dtype, list[int]] = {}
+        for k, i in enumerate(self.trainable):
+            p = self.params[i]
+            dtype = reduce_dtype or (grads[k].dtype if grads[k] is not None
+                                     else p.all_gather_dtype(self.param_dtype))
+            buckets.setdefault(dtype, []).append(k)
+        out_buckets = []
+        with torch.no_grad(), self.streams.side("reduce_scatter"):
+            for dtype, ks in buckets.items():
+                params = [self.params[self.trainable[k]] for k in ks]
+                offsets, pos = [], 0
+                for p in params:
+                    offsets.append(pos)
+                    pos += p.padded_numel
+                inp = torch.empty(world * pos, dtype=dtype, device=self.device)
+                inp2d = inp.view(world, pos)
+                for p, k, off in zip(params, ks, offsets):
+                    n = p.padded_numel
+                    p.pack_grad(grads[k], inp2d[:, off:off + n])
+                out = torch.empty(pos, dtype=dtype, device=self.device)
+                if world > 1 and pos:
+                    work = C.flat_reduce_scatter(out, inp, info.mesh, info.shard_dim, "sum",
+                                                 async_op=True)
+                else:
+                    work = None
+                    out.copy_(inp)
+                out_buckets.append((params, offsets, work, inp, out, [grads[k] for k in ks]))
+        return PendingReduce(self, out_buckets)
+
+    def finish_reduce(self, pending: PendingReduce):
+        info = self.mesh_info
+        factor = self.divide_factor if self.divide_factor is not None else info.dp_size
+        with torch.no_grad():
+            for params, offsets, work, _inp, out, _grads in pending.buckets:
+                if work is not None:
+                    work.wait()
+                if info.replicate_dim is not None and info.replicate_size > 1 and out.numel():
+                    out = C.all_reduce(out, info.mesh, info.replicate_dim, "sum")
+                if factor != 1:
+                    out.div_(factor)
+                for p, off in zip(params, offsets):
+                    n = p.padded_numel
+                    p.accumulate_grad(p.local_grad_from(out[off:off + n]))
+        if self.offload:
+            self.streams.synchronize_host()
+
+    # ================================================================= introspection
+    def unsharded_nbytes(self) -> int:
+        return sum(p.unsharded_nbytes() for p in self.params)
+
+    def __repr__(self):
+        return f"ParamGroup({self.name}, {len(self.params)} params, {self.state.value})"

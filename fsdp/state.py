@@ -1,0 +1,131 @@
+"""FSDP state: one ``FSDPState`` per ``fully_shard`` call, one ``RootContext`` per root.
+
+The root is the FSDP module whose forward runs first with no FSDP forward around it. At that
+first forward (lazy init) it collects every FSDP state in its subtree into a ``RootContext``,
+which owns what spans groups: the forward order (for prefetching), whether a backward is running,
+the one reduce-scatter in flight, and the end-of-backward callback that finishes every group.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+import torch.nn as nn
+
+from .param_group import ParamGroup, PendingReduce, ShardState
+
+__all__ = ["FSDPState", "RootContext", "all_states"]
+
+_ALL_STATES: "weakref.WeakSet[FSDPState]" = weakref.WeakSet()
+
+
+def all_states():
+    return list(_ALL_STATES)
+
+
+class FSDPState:
+    """Everything ``fully_shard`` attaches to its module(s)."""
+
+    def __init__(self, modules: tuple[nn.Module, ...], group: ParamGroup | None, mp_policy):
+        self.modules = modules
+        self.group = group
+        self.mp_policy = mp_policy
+        self.is_root: bool | None = None      # decided at the first forward
+        self.ctx: RootContext | None = None
+        self.forward_prefetch: list[FSDPState] | None = None   # explicit; None: implicit
+        self.backward_prefetch: list[FSDPState] | None = None
+        self.root_keeps_params = True         # cleared by an explicit set_reshard_after_forward
+        self.to_run: set[int] = set()         # ids of this call's modules still to run this use
+        _ALL_STATES.add(self)
+
+    # ----------------------------------------------------------------- lazy init
+    def init_as_root(self):
+        states: list[FSDPState] = []
+        seen = set()
+        for top in self.modules:
+            for module in top.modules():
+                st = module.__dict__.get("_fsdp_state")
+                if st is not None and id(st) not in seen:
+                    seen.add(id(st))
+                    states.append(st)
+        ctx = RootContext(self, states)
+        for st in states:
+            st.is_root = st is self
+            st.ctx = ctx
+            if st.group is not None:
+                st.group.is_root = st is self and st.root_keeps_params
+                st.group.root_ctx = ctx
+
+
+class RootContext:
+    """Per-root, per-iteration bookkeeping shared by all groups under one root."""
+
+    def __init__(self, root: FSDPState, states: list[FSDPState]):
+        self.root = root
+        self.states = states
+        self.groups = [s.group for s in states if s.group is not None]
+        # one entry per forward use: in pre-forward order (this and the previous iteration, for
+        # forward prefetching) and in post-forward order (the reverse of backward's order)
+        self.forward_order: list[ParamGroup] = []
+        self.prev_forward_order: list[ParamGroup] = []
+        self.post_forward_order: list[ParamGroup] = []
+        self.in_backward = False
+        self.is_last_backward = True
+        self.pending_reduce: PendingReduce | None = None
+
+    # ----------------------------------------------------------------- forward
+    def begin_iteration(self):
+        """Root pre-forward. A previous forward that never got a backward leaves uses pending:
+        they are dropped (their autograd nodes can no longer reduce anything)."""
+        if self.in_backward:  # a forward re-run inside backward (e.g. recomputation)
+            return
+        if self.forward_order:
+            self.prev_forward_order = self.forward_order
+        self.forward_order = []
+        self.post_forward_order = []
+        for g in self.groups:
+            g.uses_pending = 0
+            g.needs_reduce = False
+
+    def end_forward_without_backward(self):
+        """Root post-forward when nothing requires grad: no backward will reshard, so do it now."""
+        for g in self.groups:
+            g.uses_pending = 0
+            g.needs_reduce = False
+            if g.state is not ShardState.SHARDED:
+                g.reshard()
+
+    # ----------------------------------------------------------------- backward
+    def on_backward(self):
+        """Called by every FSDP backward hook; the first one of a backward queues the callback."""
+        if self.in_backward:
+            return
+        self.in_backward = True
+        torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
+
+    def finish_group(self, group: ParamGroup):
+        """All uses of ``group`` have their gradients: reduce (unless no-sync), then reshard."""
+        if group.reduce_grads and group.needs_reduce:
+            pending = group.start_reduce()
+            # at most two reductions in flight: issue this one, then finish the previous
+            previous, self.pending_reduce = self.pending_reduce, pending
+            if previous is not None:
+                previous.group.finish_reduce(previous)
+        if group.reshard_after_backward:
+            group.reshard()
+
+    def end_of_backward(self):
+        """Queued once per backward: finish groups whose uses did not all get gradients (an
+        output that did not reach the loss), finish the last reduce-scatter, reshard."""
+        for g in reversed(self.groups):
+            if g.uses_pending > 0:
+                g.uses_pending = 0
+                self.finish_group(g)
+        if self.is_last_backward and self.pending_reduce is not None:
+            pending, self.pending_reduce = self.pending_reduce, None
+            pending.group.finish_reduce(pending)
+        for g in self.groups:
+            g.prefetched_in_backward = False
+            if g.state is not ShardState.SHARDED and g.reshard_after_backward:
+                g.reshard()
+        self.in_backward = False

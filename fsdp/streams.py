@@ -1,0 +1,63 @@
+"""Where FSDP's copies and collectives run: the only file that knows about CUDA streams.
+
+The schedule is the same on every device: copy the shards in, *issue* the collective
+asynchronously, and wait for its work handle only where the result is consumed (copy-out in
+pre-forward / pre-backward, gradient write-back at the next post-backward or at the end of
+backward). On CPU, gloo runs the issued collectives on its own threads, so a prefetched
+all-gather overlaps with compute there too; copies run in the caller's order.
+
+On CUDA, copy-in and gradient packing run on two side streams so they overlap with compute, and
+NCCL runs the collectives on its own stream, ordered after the side stream that issued them;
+``work.wait()`` then orders the *current* (compute) stream after the collective. Memory is kept
+safe without ``record_stream``: a side stream always waits for the compute stream before it
+allocates (``side()`` below). A buffer that was allocated on a side stream and read on the compute
+stream may be reused by the caching allocator only for a later side-stream allocation, which by
+then is ordered after everything the compute stream had queued -- including that read.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+__all__ = ["Streams"]
+
+
+class Streams:
+    """The side streams of one device (CPU: none; every method is a no-op)."""
+
+    _shared: dict = {}
+
+    @classmethod
+    def shared(cls, device: torch.device) -> "Streams":
+        """One set per device, shared by every FSDP group on it (streams are not free)."""
+        key = str(device)
+        if key not in cls._shared:
+            cls._shared[key] = cls(device)
+        return cls._shared[key]
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.is_cuda = device.type == "cuda"
+        if self.is_cuda:
+            # high priority: a copy-in that waits behind a long compute kernel delays the all-gather
+            self._streams = {
+                "all_gather": torch.cuda.Stream(device, priority=-1),
+                "reduce_scatter": torch.cuda.Stream(device, priority=-1),
+            }
+
+    @contextlib.contextmanager
+    def side(self, name: str):
+        """Run the block on side stream ``name``, ordered after the compute stream's queued work."""
+        if not self.is_cuda:
+            yield
+            return
+        stream = self._streams[name]
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            yield
+
+    def synchronize_host(self):
+        """Block the CPU until queued device work is done (device-to-host gradient copies)."""
+        if self.is_cuda:
+            torch.cuda.current_stream(self.device).synchronize()
