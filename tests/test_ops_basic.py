@@ -189,3 +189,15 @@ def test_double_backward_cast_and_custom_rule_partials_stay_consistent():
     dx.double().sum().backward()  # backward of .double() is _to_copy(device=cpu)
     x.double().sum().backward()
     torch.testing.assert_close(dx.grad.full_tensor(), x.grad)
+
+
+@distributed(world_size=4)
+def test_diagonal_of_a_sharded_matrix():
+    mesh = _mesh()
+    x = torch.randn(5, 6)
+    for placements in ([Shard(0), Shard(1)], [Shard(1), Replicate()], [Replicate(), Replicate()]):
+        dx = distribute_tensor(x, mesh, placements)
+        torch.testing.assert_close(torch.diag(dx).full_tensor(), torch.diag(x))
+        torch.testing.assert_close(torch.diag_embed(dx).full_tensor(), torch.diag_embed(x))
+    px = _partial_from(x, mesh, [Partial(), Replicate()])
+    torch.testing.assert_close(torch.diag(px).full_tensor(), torch.diag(x))

@@ -449,3 +449,13 @@ def _masked_scatter(call):
 
 
 from . import indexing  # noqa: E402,F401  (registers the indexing rules)
+
+
+@register_rule(aten.diagonal_copy.default, aten.diag_embed.default)
+def _diagonal_replicated(call):
+    # A diagonal crosses every shard of both dims it reads, so it is taken from the whole
+    # matrix on every rank (Partial inputs stay Partial: picking entries is linear).
+    R = Replicate()
+    strategies = [((R,), (R,))]
+    strategies += [((Partial(op),), (Partial(op),)) for op in ("sum", "avg", "max", "min")]
+    return strategies
