@@ -9,8 +9,8 @@ import torch.nn as nn
 
 from . import collectives as C
 from .device_mesh import DeviceMesh
-from .dtensor import DTensor, _contiguous_stride, _default_mesh
-from .spec import DTensorSpec, TensorMeta, local_piece, normalize_placements
+from .dtensor import DTensor, _default_mesh
+from .spec import DTensorSpec, TensorMeta, contiguous_stride, local_piece, normalize_placements
 
 __all__ = ["distribute_tensor", "distribute_module", "zeros", "ones", "empty", "full", "rand",
            "randn"]
@@ -58,7 +58,7 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
     placements = normalize_placements(placements, mesh, tensor.ndim)
     if tensor.device.type != mesh.device_type and tensor.device.type != "meta":
         tensor = tensor.to(mesh.device_type)
-    spec = DTensorSpec(mesh, placements, TensorMeta(tensor.shape, _contiguous_stride(tensor.shape),
+    spec = DTensorSpec(mesh, placements, TensorMeta(tensor.shape, contiguous_stride(tensor.shape),
                                                     tensor.dtype))
     data = tensor.detach()
     if src_data_rank is None or tensor.device.type == "meta" or mesh.size() == 1:
@@ -152,7 +152,7 @@ def _factory(fill: Callable, size, *, dtype, layout, requires_grad, device_mesh,
     dtype = dtype or torch.get_default_dtype()
     mesh = device_mesh if device_mesh is not None else _default_mesh(torch.empty(0))
     placements = normalize_placements(placements, mesh, len(shape))
-    spec = DTensorSpec(mesh, placements, TensorMeta(shape, _contiguous_stride(shape), dtype))
+    spec = DTensorSpec(mesh, placements, TensorMeta(shape, contiguous_stride(shape), dtype))
     device = torch.device(mesh.device_type, torch.cuda.current_device()) \
         if mesh.device_type == "cuda" else torch.device(mesh.device_type)
     if global_values:

@@ -14,18 +14,10 @@ import torch.distributed as dist
 from .device_mesh import DeviceMesh
 from .placements import Partial, Placement, Replicate, Shard
 from .redistribute import plan_redistribute, run_plan
-from .spec import DTensorSpec, TensorMeta, normalize_placements
+from .spec import DTensorSpec, TensorMeta, contiguous_stride, normalize_placements
 from . import _caches
 
 __all__ = ["DTensor"]
-
-
-def _contiguous_stride(shape) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))
 
 
 class DTensor(torch.Tensor):
@@ -119,7 +111,7 @@ class DTensor(torch.Tensor):
                 if p.is_shard():
                     shape[p.dim] *= mesh.shape[i]
         shape = torch.Size(shape)
-        stride = tuple(stride) if stride is not None else _contiguous_stride(shape)
+        stride = tuple(stride) if stride is not None else contiguous_stride(shape)
         spec = DTensorSpec(mesh, placements, TensorMeta(shape, stride, local_tensor.dtype))
         expected = spec.local_shape()
         if tuple(local_tensor.shape) != expected:
@@ -322,7 +314,7 @@ def _checked_global_shape(local, mesh, placements, shape):
             global_shape[p.dim] = int(lens.sum())
     # the ranks must agree on the global shape, and each piece must be the torch.chunk piece
     expected = DTensorSpec(mesh, placements, TensorMeta(
-        torch.Size(global_shape), _contiguous_stride(global_shape), local.dtype)).local_shape()
+        torch.Size(global_shape), contiguous_stride(global_shape), local.dtype)).local_shape()
     bad_piece = int(tuple(local.shape) != tuple(expected))
     verdict = everywhere_max(global_shape + [-s for s in global_shape] + [bad_piece])
     n = len(global_shape)

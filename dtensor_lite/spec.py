@@ -20,7 +20,7 @@ from . import _caches
 from .device_mesh import DeviceMesh
 from .placements import Partial, Placement, Replicate, Shard, _StridedShard
 
-__all__ = ["TensorMeta", "DTensorSpec", "chunk_range", "normalize_placements"]
+__all__ = ["TensorMeta", "DTensorSpec", "chunk_range", "contiguous_stride", "normalize_placements"]
 
 
 class TensorMeta(NamedTuple):
@@ -28,6 +28,15 @@ class TensorMeta(NamedTuple):
     shape: torch.Size
     stride: tuple[int, ...]
     dtype: torch.dtype
+
+
+def contiguous_stride(shape) -> tuple[int, ...]:
+    """Row-major strides of ``shape`` (size-0 dims count as 1, as torch does)."""
+    stride, acc = [], 1
+    for s in reversed(shape):
+        stride.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(stride))
 
 
 def chunk_range(length: int, num_chunks: int, index: int) -> tuple[int, int]:

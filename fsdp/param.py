@@ -24,17 +24,9 @@ import torch
 import torch.nn as nn
 
 from dtensor_lite import DTensor, distribute_tensor
-from dtensor_lite.spec import DTensorSpec, TensorMeta, chunk_range
+from dtensor_lite.spec import DTensorSpec, TensorMeta, chunk_range, contiguous_stride
 
 __all__ = ["FSDPParam"]
-
-
-def _contiguous_stride(shape) -> tuple[int, ...]:
-    stride, acc = [], 1
-    for s in reversed(shape):
-        stride.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(stride))
 
 
 class FSDPParam:
@@ -141,7 +133,7 @@ class FSDPParam:
                 raise ValueError(f"parameter {self.fqn}: all-gather extensions need Shard(0), got "
                                  f"Shard({self.shard_dim})")
             inputs, self._ext_meta = local.fsdp_pre_all_gather(
-                self.mesh_info.shard_mesh, self.shape, _contiguous_stride(self.shape), module,
+                self.mesh_info.shard_mesh, self.shape, contiguous_stride(self.shape), module,
                 mp_policy)
             chunk = self.chunk_rows
             for t in inputs:
@@ -192,7 +184,7 @@ class FSDPParam:
         full, inner = local.fsdp_post_all_gather(outputs, self._ext_meta, dtype)
         # the result may keep the padded rows: view the global shape at its start
         self.raw = full if full.shape == self.shape else full.as_strided(
-            self.shape, _contiguous_stride(self.shape), 0)
+            self.shape, contiguous_stride(self.shape), 0)
         self._inner = [t for t in inner if t.untyped_storage().data_ptr()
                        != self.raw.untyped_storage().data_ptr()]
         self._raw_nbytes = self.raw.untyped_storage().nbytes()
