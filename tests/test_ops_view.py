@@ -6,6 +6,7 @@ import torch
 from dtensor_lite import (Partial, Replicate, Shard, _StridedShard, distribute_tensor,
                           init_device_mesh)
 from dtensor_lite.debug import CommDebugMode
+from tests._op_helpers import as_tuple as _as_tuple, leaf_and_input as _leaf_and_input, like as _like
 from tests.harness import distributed
 
 R, P = Replicate(), Partial()
@@ -25,23 +26,6 @@ def _placements(mesh, ndim):
     return out + ([[Shard(1), Shard(2)], [Shard(ndim - 1), Shard(ndim - 1)]] if ndim > 2 else [])
 
 
-def _leaf_and_input(x, mesh, placements):
-    base = [R if p.is_partial() else p for p in placements]
-    leaf = distribute_tensor(x, mesh, base)
-    if x.is_floating_point():
-        leaf.requires_grad_()
-    return leaf, leaf.redistribute(mesh, placements) if base != list(placements) else leaf
-
-
-def _like(w, out):
-    """``w`` laid out like ``out`` (Partial read as Replicate), so that gradients arrive sharded
-    wherever the outputs are."""
-    return distribute_tensor(w, out.device_mesh,
-                             [R if p.is_partial() else p for p in out.placements])
-
-
-def _as_tuple(out):
-    return tuple(out) if isinstance(out, (tuple, list)) else (out,)
 
 
 def check(fn, x, meshes, grad=True, placements=None):
