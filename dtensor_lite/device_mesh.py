@@ -277,6 +277,41 @@ class DeviceMesh:
         """
         return self._flatten(mesh_dim_name)
 
+    def _join(self, other: "DeviceMesh") -> "DeviceMesh":
+        """This mesh's dims followed by ``other``'s, as one mesh (both sliced from one root).
+
+        What FSDP on top of TP needs: the data-parallel sub-mesh and the TP sub-mesh become the
+        2-D / 3-D mesh a parameter's DTensor lives on. Cached on the root (one object per
+        joined layout, so the specs built on it share dispatch decisions); the root dies with
+        its process groups, and the cache with it.
+        """
+        if not isinstance(other, DeviceMesh):
+            raise TypeError(f"can only join a DeviceMesh, got {type(other).__name__}")
+        if self._root is not other._root:
+            raise ValueError(
+                f"cannot join {self!r} and {other!r}: they were not sliced from one mesh. Build "
+                "one mesh over all dims (init_device_mesh('cpu', (dp, tp), mesh_dim_names=("
+                "'dp', 'tp'))) and slice both from it (mesh['dp'], mesh['tp'])")
+        mine = {d for dims in self._root_dims for d in dims}
+        theirs = {d for dims in other._root_dims for d in dims}
+        if mine & theirs:
+            raise ValueError(f"cannot join {self!r} and {other!r}: they share mesh dims")
+        if self.device_type != other.device_type:
+            raise ValueError(f"cannot join a '{self.device_type}' mesh with a "
+                             f"'{other.device_type}' mesh")
+        root_dims = self._root_dims + other._root_dims
+        names = (self.mesh_dim_names + other.mesh_dim_names
+                 if self.mesh_dim_names and other.mesh_dim_names else None)
+        cache = self._root.__dict__.setdefault("_joined", {})
+        key = (root_dims, names)
+        if key not in cache:
+            if root_dims == self._root._root_dims and names == self._root.mesh_dim_names:
+                cache[key] = self._root
+            else:
+                cache[key] = DeviceMesh(self.device_type, None, mesh_dim_names=names,
+                                        _root=self._root, _root_dims=root_dims)
+        return cache[key]
+
     def _dim_index(self, mesh_dim: int | str) -> int:
         if isinstance(mesh_dim, str):
             if not self.mesh_dim_names or mesh_dim not in self.mesh_dim_names:

@@ -317,11 +317,6 @@ def _check_not_managed(params):
                 f"{type(st.modules[0]).__name__}): a parameter can belong to one group only. "
                 "Shard the modules that share it in one call (fully_shard([a, b])) or leave it to "
                 "their common parent, and apply fully_shard bottom-up")
-        if isinstance(param, DTensor):
-            raise ValueError(
-                f"parameter {_where(owners)} is already a DTensor (placements "
-                f"{list(param.placements)}); fully_shard on DTensor parameters (FSDP over tensor "
-                "parallelism) is not supported yet: pass it in ignored_params")
 
 
 def _where(owners) -> str:
@@ -330,6 +325,8 @@ def _where(owners) -> str:
 
 
 def _check_param(param, where, mesh, device):
+    if isinstance(param, DTensor):
+        _check_tp_param(param, where, mesh)
     if param.ndim == 0:
         raise ValueError(f"parameter {where} is 0-d and cannot be sharded; pass it in "
                          "ignored_params")
@@ -338,6 +335,23 @@ def _check_param(param, where, mesh, device):
         raise ValueError(f"parameter {where} is on {param.device} but the mesh is a "
                          f"'{mesh.device_type}' mesh; move the module to the mesh's device type "
                          "(or build the mesh for the parameters' device) before fully_shard")
+
+
+def _check_tp_param(param, where, mesh):
+    """A DTensor parameter (tensor parallelism) must live on other dims of the same mesh."""
+    tp_mesh = param.device_mesh
+    try:
+        mesh._join(tp_mesh)
+    except ValueError as e:
+        raise ValueError(
+            f"parameter {where} is a DTensor on {tp_mesh!r} and fully_shard got {mesh!r}; FSDP on "
+            f"top of tensor parallelism needs both sliced from one mesh over disjoint dims, e.g. "
+            f"fully_shard(model, mesh=mesh['dp']) after parallelize_module(model, mesh['tp'], "
+            f"plan) ({e})") from None
+    if any(p.is_partial() for p in param.placements):
+        raise ValueError(f"parameter {where} is a DTensor with placements "
+                         f"{list(param.placements)}; a parameter cannot be Partial: redistribute "
+                         "it to Shard or Replicate before fully_shard")
 
 
 def _shard_dim(param, where, fn) -> int:

@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from dtensor_lite import DTensor, distribute_tensor
-from dtensor_lite.spec import DTensorSpec, TensorMeta, chunk_range, contiguous_stride
+from dtensor_lite.spec import DTensorSpec, chunk_range, contiguous_stride
 
 __all__ = ["FSDPParam"]
 
@@ -51,6 +51,10 @@ class FSDPParam:
         self._inner_nbytes: list[int] = []
         self._ext_meta = None                       # fsdp_pre_all_gather metadata
         self._ext_shapes: list[torch.Size] = []
+        # a DTensor parameter (tensor parallelism): FSDP shards this rank's TP piece further and
+        # hands modules the gathered piece as a DTensor with the TP layout again
+        self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
+        self.layout: DTensorSpec | None = None     # the sharded parameter's spec (any dtype)
         self.sharded = self._shard(param)
         self._init_geometry()
         # the replaced plain parameter: another module that still refers to it (a weight tied
@@ -62,34 +66,59 @@ class FSDPParam:
     def _shard(self, param: nn.Parameter) -> nn.Parameter:
         info = self.mesh_info
         data = param.detach()
+        if self.tp_spec is not None:
+            data = data.to_local()  # this rank's TP piece is what the dp dims shard
         if data.device.type not in ("meta", self.device.type):
             data = data.to(self.device)
         # every rank holds the same full tensor (or a meta one): slice locally, no communication
         dt = distribute_tensor(data, info.mesh, info.placements(self.shard_dim), src_data_rank=None)
+        self.layout = dt._spec if self.tp_spec is None else self._joint_spec(dt._spec)
+        local = dt.to_local()
         if self.offload and self.device.type != "cpu" and data.device.type != "meta":
             with torch.no_grad():
-                local = dt.to_local().cpu()
+                local = local.cpu()
             if self.pin_memory:
                 local = local.pin_memory()
-            dt = self._wrap_local(local, dt)
-        return nn.Parameter(dt, requires_grad=param.requires_grad)
+        return nn.Parameter(self._wrap_local(local), requires_grad=param.requires_grad)
 
-    def _wrap_local(self, local: torch.Tensor, like: DTensor) -> DTensor:
-        """A DTensor with ``like``'s layout around ``local`` (dtype and device from ``local``)."""
-        mesh, placements = like.device_mesh, like.placements
-        if local.device.type == mesh.device_type or local.device.type == "meta":
-            with torch.no_grad():
-                return DTensor.from_local(local, mesh, placements, shape=like.shape,
-                                          stride=like.stride())
-        # CPU offload on a GPU mesh: from_local would move the piece to the mesh's device, so
-        # build the DTensor directly (a from_local(..., keep_device=True) would replace this)
-        meta = TensorMeta(like.shape, like.stride(), local.dtype)
-        return DTensor(local, DTensorSpec(mesh, placements, meta))
+    def _joint_spec(self, dp_spec: DTensorSpec) -> DTensorSpec:
+        """The spec over the dp dims followed by the TP dims: dp placements, then TP's.
+
+        When both shard the same tensor dim, TP's split comes first (outermost) and the dp
+        dim splits each TP piece: exactly what sharding the local TP piece did. PyTorch spells
+        this order ``_StridedShard``; ``full_tensor()`` undoes it like any other layout.
+        """
+        tp, info = self.tp_spec, self.mesh_info
+        k = info.mesh.ndim
+        order = [tuple(k + m for m in dims) for dims in tp.shard_order]
+        order[self.shard_dim] += (info.shard_dim,)
+        return DTensorSpec(info.mesh._join(tp.mesh), dp_spec.placements + tp.placements,
+                           tp.tensor_meta, tuple(order))
+
+    def _wrap_local(self, local: torch.Tensor) -> DTensor:
+        """A DTensor with the sharded parameter's layout around ``local`` (its dtype; its device,
+        which is the CPU for offloaded shards on a GPU mesh)."""
+        spec = self.layout
+        if local.dtype != spec.tensor_meta.dtype:
+            meta = spec.tensor_meta._replace(dtype=local.dtype)
+            spec = DTensorSpec(spec.mesh, spec.placements, meta, spec.shard_order)
+        return DTensor(local, spec)
+
+    def module_view(self, unsharded: torch.Tensor) -> torch.Tensor:
+        """What the module sees for the unsharded (gathered over dp) tensor: the tensor itself,
+        or for a TP parameter a DTensor with the TP layout around it (differentiable: the
+        gradient comes back as this rank's TP piece, reduced over TP where it was Partial)."""
+        tp = self.tp_spec
+        if tp is None:
+            return unsharded
+        return DTensor.from_local(unsharded, tp.mesh, tp.public_placements(), shape=tp.shape,
+                                  stride=tp.stride)
 
     # ----------------------------------------------------------------- geometry
     def _init_geometry(self):
         """Sizes in the flat buffers; fixed by the global shape, so computed once."""
-        shape = tuple(self.sharded.shape)
+        # what the dp dims shard and gather: the whole parameter, or this rank's TP piece
+        shape = tuple(self.sharded.shape) if self.tp_spec is None else self.tp_spec.local_shape()
         world = self.mesh_info.shard_size
         rest = list(shape)
         self.rows = rest.pop(self.shard_dim)
@@ -263,7 +292,7 @@ class FSDPParam:
         param = self.sharded
         with torch.no_grad():
             if param.grad is None:
-                param.grad = self._wrap_local(local_grad.contiguous(), param)
+                param.grad = self._wrap_local(local_grad.contiguous())
             else:
                 param.grad.to_local().add_(local_grad)
 

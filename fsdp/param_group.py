@@ -231,8 +231,9 @@ class ParamGroup:
 
     # ================================================================= publishing
     def publish(self, tensors):
+        """Show modules the unsharded tensors (TP parameters as DTensors over the TP mesh)."""
         for p, t in zip(self.params, tensors):
-            p.publish(t)
+            p.publish(p.module_view(t))
 
     def unsharded_aliases(self) -> list[torch.Tensor]:
         return [p.raw.data for p in self.params]

@@ -1,0 +1,131 @@
+"""fully_shard on top of tensor parallelism: DTensor parameters over the "tp" dim of a 2-D / 3-D
+mesh are sharded again over the data-parallel dims and become ONE DTensor over all dims.
+
+The oracle is single-process torch: ``full_tensor()`` of every parameter equals the unsharded
+weight before and after training, and losses match training on the global batch.
+"""
+import copy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dtensor_lite import (DTensor, Partial, Replicate, Shard, _StridedShard, distribute_tensor,
+                          init_device_mesh)
+from fsdp import fully_shard
+from tests.harness import distributed
+
+MESHES = {
+    "fsdp+tp 2x2": ((2, 2), ("dp", "tp")),
+    "hsdp+tp 2x2x2": ((2, 2, 2), ("dp_replicate", "dp_shard", "tp")),
+}
+
+
+def _meshes(shape, names):
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    return mesh, mesh[names[:-1]], mesh["tp"]
+
+
+def _mlp(dims):
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(dims[0], dims[1]), nn.ReLU(), nn.Linear(dims[1], dims[2]))
+
+
+def _tp_by_hand(model, tp):
+    """Column-wise first linear, row-wise second: placements set by hand (no tp package)."""
+    first, second = model[0], model[2]
+    first.weight = nn.Parameter(distribute_tensor(first.weight.detach(), tp, [Shard(0)]))
+    first.bias = nn.Parameter(distribute_tensor(first.bias.detach(), tp, [Shard(0)]))
+    second.weight = nn.Parameter(distribute_tensor(second.weight.detach(), tp, [Shard(1)]))
+    second.bias = nn.Parameter(distribute_tensor(second.bias.detach(), tp, [Replicate()]))
+
+
+def _dp_rank(dp):
+    coord = dp.get_coordinate()
+    return coord[0] if len(coord) == 1 else coord[0] * dp.shape[1] + coord[1]
+
+
+def _train_and_compare(shape, names, dims, steps=4):
+    mesh, dp, tp = _meshes(shape, names)
+    ref = _mlp(dims)
+    model = copy.deepcopy(ref)
+    _tp_by_hand(model, tp)
+    fully_shard(model, mesh=dp)
+    params = dict(model.named_parameters())
+    for name, p_ref in ref.named_parameters():
+        assert params[name].device_mesh == mesh and params[name].device_mesh.ndim == len(shape)
+        assert torch.equal(params[name].full_tensor(), p_ref), name
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(1)
+    rows, n_dp, me = 3, dp.size(), _dp_rank(dp)
+    worst = 0.0
+    for _ in range(steps):
+        x = torch.randn(rows * n_dp, dims[0], generator=g)
+        ref_loss = ref(x).pow(2).mean()
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        out = model(DTensor.from_local(x[me * rows:(me + 1) * rows], tp, [Replicate()]))
+        loss = out.full_tensor().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean)
+        mean /= dist.get_world_size()
+        worst = max(worst, abs(float(mean) - float(ref_loss)) / abs(float(ref_loss)))
+    assert worst <= 1e-5, worst
+    for name, p_ref in ref.named_parameters():
+        torch.testing.assert_close(params[name].full_tensor(), p_ref, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"{name}: {m}")
+
+
+@distributed(world_size=4, timeout=120)
+@pytest.mark.parametrize("dims", [(6, 8, 6), (5, 7, 3)], ids=["even", "uneven"])
+def test_fsdp_over_tp_2d(dims):
+    _train_and_compare(*MESHES["fsdp+tp 2x2"], dims)
+
+
+@distributed(world_size=8, timeout=180)
+def test_hsdp_over_tp_3d():
+    _train_and_compare(*MESHES["hsdp+tp 2x2x2"], (5, 7, 3))
+
+
+@distributed(world_size=4, timeout=60)
+def test_layouts_when_both_shard_dim_0():
+    """dp splits each TP piece: the public spelling is PyTorch's _StridedShard."""
+    mesh, dp, tp = _meshes(*MESHES["fsdp+tp 2x2"])
+    model = _mlp((6, 8, 6))
+    _tp_by_hand(model, tp)
+    fully_shard(model, mesh=dp)
+    w1, w2, b2 = model[0].weight, model[2].weight, model[2].bias
+    assert w1.placements == (_StridedShard(0, split_factor=2), Shard(0))
+    assert w2.placements == (Shard(0), Shard(1))
+    assert b2.placements == (Shard(0), Replicate())
+    # rank (dp, tp): TP holds rows [4 tp, 4 tp + 4), dp takes half of that
+    dp_rank, tp_rank = mesh.get_coordinate()
+    start = 4 * tp_rank + 2 * dp_rank
+    torch.manual_seed(0)
+    expected = nn.Linear(6, 8).weight.detach()[start:start + 2]
+    assert torch.equal(w1.to_local(), expected)
+
+
+@distributed(world_size=4, timeout=60)
+def test_tp_param_from_another_mesh_is_refused():
+    mesh, dp, _ = _meshes(*MESHES["fsdp+tp 2x2"])
+    other = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model = _mlp((4, 4, 4))
+    _tp_by_hand(model, other["tp"])
+    with pytest.raises(ValueError, match="sliced from one mesh"):
+        fully_shard(model, mesh=dp)
+
+
+@distributed(world_size=4, timeout=60)
+def test_partial_tp_param_is_refused():
+    mesh, dp, tp = _meshes(*MESHES["fsdp+tp 2x2"])
+    model = nn.Linear(4, 4)
+    model.weight = nn.Parameter(DTensor.from_local(torch.zeros(4, 4), tp, [Partial()]))
+    with pytest.raises(ValueError, match="cannot be Partial"):
+        fully_shard(model, mesh=dp)
