@@ -1,0 +1,108 @@
+"""Tensor-parallel plan for the Llama model of ``examples/llama.py`` (Megatron-style).
+
+Attention and MLP each run as one column-parallel stage (``wq/wk/wv``, ``w1/w3``: heads and
+hidden features split over the TP ranks, no communication) followed by one row-parallel stage
+(``wo``, ``w2``: partial sums reduced once). The embedding is vocab-parallel, the output layer
+column-parallel over the vocab.
+
+* ``sequence_parallel``: between the blocks' matmuls the residual stream stays sharded on the
+  sequence dim (norms run on 1/n of the tokens), so each all-reduce becomes a reduce-scatter
+  plus an all-gather before the next column-parallel stage.
+* ``loss_parallel``: the logits stay sharded over the vocab (a ``Shard(-1)`` DTensor) and the
+  loss is computed under ``tp.loss_parallel()`` without gathering them.
+
+Example::
+
+    >>> tp_mesh = init_device_mesh("cpu", (2,))
+    >>> model = parallelize_llama(Llama(cfg), tp_mesh, sequence_parallel=True)
+    >>> loss = loss_fn(model(tokens), targets)      # tokens: the full batch on every TP rank
+"""
+from __future__ import annotations
+
+import torch.nn as nn
+
+from dtensor_lite import DeviceMesh, Replicate, Shard
+from tp import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
+                SequenceParallel, parallelize_module)
+
+__all__ = ["llama_tp_plan", "parallelize_llama"]
+
+
+def llama_tp_plan(model: nn.Module, *, sequence_parallel: bool = False,
+                  loss_parallel: bool = False) -> dict[str, ParallelStyle]:
+    """The ``parallelize_module`` plan for ``model`` (an ``examples.llama.Llama``).
+
+    Returns a dict of module path patterns to styles; apply it with ``parallelize_module`` or
+    ``parallelize_llama`` (which also checks the TP size fits the model).
+
+    Example::
+
+        >>> plan = llama_tp_plan(model, sequence_parallel=True, loss_parallel=False)
+        >>> plan["layers.*.attention.wq"]
+        ColwiseParallel(input_layouts=Replicate(), output_layouts=Shard(dim=-1), ...)
+    """
+    if not hasattr(model, "layers") or not hasattr(model, "tok_embeddings"):
+        raise ValueError(f"llama_tp_plan expects an examples.llama.Llama, got "
+                         f"{type(model).__name__}")
+    sp = sequence_parallel
+    residual = Shard(1) if sp else Replicate()  # layout of the residual stream between blocks
+    plan: dict[str, ParallelStyle] = {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+        "layers.*.attention.wq": ColwiseParallel(),
+        "layers.*.attention.wk": ColwiseParallel(),
+        "layers.*.attention.wv": ColwiseParallel(),
+        "layers.*.attention.wo": RowwiseParallel(output_layouts=residual),
+        "layers.*.feed_forward.w1": ColwiseParallel(),
+        "layers.*.feed_forward.w3": ColwiseParallel(),
+        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=residual),
+        "output": ColwiseParallel(input_layouts=residual,
+                                  output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                                  use_local_output=not loss_parallel),
+    }
+    if sp:
+        plan.update({
+            "layers.*.attention_norm": SequenceParallel(),
+            "layers.*.ffn_norm": SequenceParallel(),
+            # attention(x, cos, sin): gather x's sequence; cos/sin are plain tables, untouched
+            "layers.*.attention": PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                     desired_input_layouts=(Replicate(), None, None)),
+            "layers.*.feed_forward": PrepareModuleInput(input_layouts=(Shard(1),),
+                                                        desired_input_layouts=(Replicate(),)),
+            "norm": SequenceParallel(),
+        })
+    return plan
+
+
+def parallelize_llama(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_parallel: bool = False,
+                      loss_parallel: bool = False) -> nn.Module:
+    """Apply :func:`llama_tp_plan` to ``model`` on the 1-D ``tp_mesh``; returns the model.
+
+    Checks what the model itself needs: whole heads per rank (its attention reshapes with
+    ``view(bsz, seq, -1, head_dim)``) and, with sequence parallelism, a sequence length that
+    divides by the TP size (sequence pieces travel between modules as local tensors, assumed
+    even). Hidden and vocabulary sizes may be uneven.
+
+    Example::
+
+        >>> model = parallelize_llama(Llama(cfg), mesh["tp"], sequence_parallel=True,
+        ...                           loss_parallel=True)
+        >>> with tp.loss_parallel():
+        ...     loss_fn(model(tokens), targets).backward()
+    """
+    tp = tp_mesh.size()
+    n_heads = model.cfg.n_heads
+    if n_heads % tp:
+        raise ValueError(f"parallelize_llama: n_heads={n_heads} does not divide by the TP size "
+                         f"{tp}; each rank must hold whole attention heads (choose a TP size "
+                         f"that divides {n_heads})")
+    plan = llama_tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    parallelize_module(model, tp_mesh, plan)
+    if sequence_parallel:
+        def check_seq(mod, inputs):
+            seq = inputs[0].shape[1]
+            if seq % tp:
+                raise ValueError(f"sequence parallelism on {tp} ranks needs a sequence length "
+                                 f"that divides by {tp}, got {seq}; pad the batch or turn "
+                                 "sequence_parallel off")
+        model.register_forward_pre_hook(check_seq)
+    return model

@@ -1,0 +1,327 @@
+"""Tensor parallelism (tp/): styles on lone modules, the Llama plan trained against plain torch,
+the collectives TP issues per layer, loss_parallel, and the errors of parallelize_module."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dtensor_lite import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
+from dtensor_lite.debug import CommDebugMode
+from examples.llama import Llama, LlamaConfig, loss_fn
+from examples.llama_parallel import llama_tp_plan, parallelize_llama
+from tests.harness import distributed, run_distributed
+from tp import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
+                SequenceParallel, loss_parallel, parallelize_module)
+
+CFG = LlamaConfig(vocab_size=64, dim=16, n_layers=2, n_heads=4, ffn_dim=32, max_seq_len=16)
+
+
+def _tokens(batch=4, seq=8, vocab=CFG.vocab_size):
+    tokens = torch.randint(0, vocab, (batch, seq + 1))
+    return tokens[:, :-1], tokens[:, 1:]
+
+
+# ----------------------------------------------------------------------------- Llama parity
+def _full(t):
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _train_llama(world, sp, lp, steps=10):
+    """Train the TP model and the plain one side by side; return per-step relative loss diffs and
+    the largest relative gradient error after the first backward."""
+    mesh = init_device_mesh("cpu", (world,))
+    torch.manual_seed(0)
+    ref = Llama(CFG)
+    model = parallelize_llama(copy.deepcopy(ref), mesh, sequence_parallel=sp, loss_parallel=lp)
+    for name, p in model.named_parameters():
+        # as in PyTorch, only the modules of the plan get DTensor parameters: the norms without
+        # sequence parallelism stay plain (and replicated by construction)
+        assert isinstance(p, nn.Parameter) and isinstance(p.data, DTensor) == (
+            sp or "norm" not in name), name
+        torch.testing.assert_close(_full(p), ref.get_parameter(name))
+    assert model.output.weight.placements == (Shard(0),)
+    assert model.tok_embeddings.weight.placements == (Shard(0),)
+    assert model.layers[0].attention.wo.weight.placements == (Shard(1),)
+    if sp:
+        assert model.layers[0].ffn_norm.weight.placements == (Replicate(),)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rel_diffs, grad_err = [], None
+    for step in range(steps):
+        inputs, targets = _tokens()
+        ref_loss = loss_fn(ref(inputs), targets)
+        logits = model(inputs)
+        if lp:
+            assert isinstance(logits, DTensor) and logits.placements == (Shard(2),)
+            with loss_parallel():
+                loss = loss_fn(logits, targets)
+            assert isinstance(loss, DTensor) and loss.placements == (Replicate(),)
+            value = loss.to_local()
+        else:
+            assert not isinstance(logits, DTensor) and logits.shape == (4, 8, CFG.vocab_size)
+            loss = value = loss_fn(logits, targets)
+        rel_diffs.append(abs(value.item() - ref_loss.item()) / abs(ref_loss.item()))
+        ref_loss.backward()
+        loss.backward()
+        if step == 0:
+            grad_err = 0.0
+            for name, p in model.named_parameters():
+                ref_grad = ref.get_parameter(name).grad
+                got = _full(p.grad)
+                torch.testing.assert_close(got, ref_grad, rtol=1e-4, atol=1e-6,
+                                           msg=lambda m: f"grad of {name}: {m}")
+                grad_err = max(grad_err, ((got - ref_grad).abs().max() /
+                                          ref_grad.abs().max().clamp_min(1e-12)).item())
+        ref_opt.step()
+        opt.step()
+        ref_opt.zero_grad()
+        opt.zero_grad()
+    assert max(rel_diffs) <= 1e-5, rel_diffs
+    return max(rel_diffs), grad_err
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("sp", [False, True], ids=["no-sp", "sp"])
+@pytest.mark.parametrize("lp", [False, True], ids=["no-lp", "lp"])
+def test_llama_tp_matches_single_process(world, sp, lp):
+    results = run_distributed(world, _train_llama, world, sp, lp, timeout=120)
+    rel, grad_err = results[0]
+    print(f"world={world} sp={sp} lp={lp}: max loss rel diff {rel:.2e}, "
+          f"max grad rel err {grad_err:.2e}")
+
+
+# ----------------------------------------------------------------------------- collectives
+@distributed(world_size=2, timeout=60)
+@pytest.mark.parametrize("sp", [False, True], ids=["no-sp", "sp"])
+def test_llama_tp_collectives_per_layer(sp):
+    mesh = init_device_mesh("cpu", (2,))
+    model = parallelize_llama(Llama(CFG), mesh, sequence_parallel=sp, loss_parallel=False)
+    inputs, _ = _tokens()
+    with CommDebugMode() as comm:
+        model(inputs)
+    per_module = comm.get_per_module_comm_counts()
+    n = CFG.n_layers
+    # forward hooks run after CommDebugMode's own post-forward hook, so a collective issued by an
+    # output hook (e.g. wo's reduction) counts for the parent module (attention), not for wo
+    if not sp:  # one all-reduce per row-wise output, nothing else inside the blocks
+        assert comm.get_comm_counts() == {"all_reduce": 2 * n + 1, "all_gather": 1}
+        for i in range(n):
+            assert per_module[f"Llama.layers.{i}"] == {"all_reduce": 2}
+            assert per_module[f"Llama.layers.{i}.attention"] == {"all_reduce": 1}
+            assert per_module[f"Llama.layers.{i}.feed_forward"] == {"all_reduce": 1}
+    else:  # per attention / MLP: all-gather the sequence in, reduce-scatter the sum out
+        assert comm.get_comm_counts() == {"reduce_scatter": 2 * n + 1, "all_gather": 2 * n + 2}
+        for i in range(n):
+            pair = {"all_gather": 1, "reduce_scatter": 1}
+            assert per_module[f"Llama.layers.{i}"] == {"all_gather": 2, "reduce_scatter": 2}
+            assert per_module[f"Llama.layers.{i}.attention"] == pair
+            assert per_module[f"Llama.layers.{i}.feed_forward"] == pair
+            assert f"Llama.layers.{i}.attention_norm" not in per_module
+        assert per_module["Llama.output"] == {"all_gather": 1}  # the sequence, before the matmul
+    for i in range(n):
+        for name in ("wq", "wk", "wv"):  # column-parallel stages never communicate forward
+            assert f"Llama.layers.{i}.attention.{name}" not in per_module
+
+
+# ----------------------------------------------------------------------------- lone modules
+def _check_module(style, module, x, make_input, read_output):
+    """Forward + backward of ``module`` parallelized with ``style`` equal plain torch."""
+    mesh = init_device_mesh("cpu", (2,))
+    ref = copy.deepcopy(module)
+    parallelize_module(module, mesh, style)
+    out = read_output(module(make_input(x, mesh)))
+    ref_out = ref(x)
+    torch.testing.assert_close(out, ref_out)
+    grad_out = torch.randn_like(ref_out)
+    out.backward(grad_out)
+    ref_out.backward(grad_out)
+    for name, p in module.named_parameters():
+        assert isinstance(p.data, DTensor)
+        torch.testing.assert_close(p.grad.full_tensor(), ref.get_parameter(name).grad)
+    return module
+
+
+def _local_shard(x, mesh, dim=-1):
+    return distribute_tensor(x, mesh, [Shard(dim % x.ndim)]).to_local()
+
+
+def _gather_last(out):
+    return out.full_tensor() if isinstance(out, DTensor) else out
+
+
+@distributed(world_size=2, timeout=60)
+@pytest.mark.parametrize("out_features", [6, 7])
+def test_colwise_linear(out_features):
+    x = torch.randn(3, 5)
+    # default: local Shard(-1) output -> gather it to compare
+    m = _check_module(ColwiseParallel(use_local_output=False), nn.Linear(5, out_features), x,
+                      lambda x, mesh: x, _gather_last)
+    assert m.weight.placements == (Shard(0),) and m.bias.placements == (Shard(0),)
+    # Replicate output: a plain local tensor that is the full result; the input grad is exact
+    xr = x.clone().requires_grad_()
+    xr_ref = x.clone().requires_grad_()
+    mesh = init_device_mesh("cpu", (2,))
+    lin = nn.Linear(5, out_features)
+    ref = copy.deepcopy(lin)
+    parallelize_module(lin, mesh, ColwiseParallel(output_layouts=Replicate()))
+    out = lin(xr)
+    assert type(out) is torch.Tensor
+    torch.testing.assert_close(out, ref(xr_ref))
+    out.pow(2).sum().backward()
+    ref(xr_ref).pow(2).sum().backward()
+    torch.testing.assert_close(xr.grad, xr_ref.grad)
+
+
+@distributed(world_size=2, timeout=60)
+@pytest.mark.parametrize("in_features", [6, 7])
+def test_rowwise_linear(in_features):
+    x = torch.randn(3, in_features, requires_grad=True)
+    m = _check_module(RowwiseParallel(), nn.Linear(in_features, 4), x,
+                      lambda x, mesh: _local_shard(x, mesh), lambda out: out)
+    assert m.weight.placements == (Shard(1),) and m.bias.placements == (Replicate(),)
+    # the local input's gradient is this rank's slice of the full input gradient
+    assert x.grad is not None
+
+
+@distributed(world_size=2, timeout=60)
+@pytest.mark.parametrize("num_embeddings", [8, 7])
+@pytest.mark.parametrize("style", ["colwise", "rowwise"])
+def test_embedding(style, num_embeddings):
+    ids = torch.randint(0, num_embeddings, (3, 5))
+    if style == "colwise":
+        m = _check_module(ColwiseParallel(output_layouts=Replicate()),
+                          nn.Embedding(num_embeddings, 6), ids, lambda x, mesh: x, lambda o: o)
+        assert m.weight.placements == (Shard(1),)
+    else:  # vocab-parallel: 7 rows on 2 ranks are pieces of 4 and 3
+        m = _check_module(RowwiseParallel(), nn.Embedding(num_embeddings, 6), ids,
+                          lambda x, mesh: x, lambda o: o)
+        assert m.weight.placements == (Shard(0),)
+        assert m.weight.to_local().shape[0] == (4 if torch.distributed.get_rank() == 0 else
+                                                num_embeddings - 4)
+
+
+@distributed(world_size=2, timeout=60)
+def test_sequence_parallel_and_prepare_styles():
+    mesh = init_device_mesh("cpu", (2,))
+    x = torch.randn(2, 6, 4)
+    norm = nn.LayerNorm(4)
+    norm.weight.data.uniform_()
+    ref = copy.deepcopy(norm)
+    parallelize_module(norm, mesh, SequenceParallel())
+    assert norm.weight.placements == (Replicate(),)
+    out = norm(_local_shard(x, mesh, 1))
+    assert isinstance(out, DTensor) and out.placements == (Shard(1),)
+    torch.testing.assert_close(out.full_tensor(), ref(x))
+    out.full_tensor().sum().backward()  # the weight gradient is summed over the sequence shards
+    ref(x).sum().backward()
+    torch.testing.assert_close(norm.weight.grad.full_tensor(), ref.weight.grad)
+
+    class Two(nn.Module):
+        def forward(self, a, scale, *, b):
+            return a * scale + b, a
+
+    two = parallelize_module(Two(), mesh, PrepareModuleInput(
+        input_layouts=(Shard(0), None), desired_input_layouts=(Replicate(), None),
+        input_kwarg_layouts={"b": Replicate()}, desired_input_kwarg_layouts={"b": Replicate()}))
+    a, b = torch.randn(4, 3), torch.randn(4, 3)
+    out, a_seen = two(_local_shard(a, mesh, 0), 2.0, b=b)
+    assert a_seen.placements == (Replicate(),)
+    torch.testing.assert_close(out.to_local(), a * 2.0 + b)
+
+    class Identity(nn.Module):
+        def forward(self, a):
+            return a
+    ident = parallelize_module(Identity(), mesh, PrepareModuleOutput(
+        output_layouts=Shard(0), desired_output_layouts=Replicate()))
+    torch.testing.assert_close(ident(_local_shard(a, mesh, 0)), a)
+
+
+# ----------------------------------------------------------------------------- loss_parallel
+@distributed(world_size=2, timeout=60)
+def test_loss_parallel_cross_entropy_and_nll():
+    mesh = init_device_mesh("cpu", (2,))
+    logits = torch.randn(6, 7, requires_grad=True)  # 7 classes: uneven class shards
+    targets = torch.randint(0, 7, (6,))
+    weight = torch.rand(7)
+    for fn, kwargs in [(F.cross_entropy, {}), (F.cross_entropy, {"weight": weight}),
+                       (lambda x, t, **kw: F.nll_loss(F.log_softmax(x, -1), t, **kw),
+                        {"ignore_index": int(targets[0])})]:
+        logits.grad = None
+        ref = fn(logits, targets, **kwargs)
+        ref.backward()
+        dlogits = distribute_tensor(logits.detach(), mesh, [Shard(1)]).requires_grad_()
+        with CommDebugMode() as comm, loss_parallel():
+            loss = fn(dlogits, targets, **kwargs)
+        assert "all_gather" not in comm.get_comm_counts()  # the logits are never gathered
+        assert isinstance(loss, DTensor) and loss.placements == (Replicate(),)
+        torch.testing.assert_close(loss.to_local(), ref)
+        loss.backward()  # outside the context
+        assert dlogits.grad.placements == (Shard(1),)
+        torch.testing.assert_close(dlogits.grad.full_tensor(), logits.grad)
+    # backward inside the context, too
+    dlogits = distribute_tensor(logits.detach(), mesh, [Shard(1)]).requires_grad_()
+    with loss_parallel():
+        F.cross_entropy(dlogits, targets).backward()
+    logits.grad = None
+    F.cross_entropy(logits, targets).backward()
+    torch.testing.assert_close(dlogits.grad.full_tensor(), logits.grad)
+    # outside the context: plain targets are an error, DTensor targets give the right value
+    with pytest.raises(ValueError, match="plain torch.Tensor"):
+        F.cross_entropy(dlogits, targets)
+    loss = F.cross_entropy(dlogits, distribute_tensor(targets, mesh, [Replicate()]))
+    torch.testing.assert_close(loss.full_tensor(), F.cross_entropy(logits, targets))
+
+
+# ----------------------------------------------------------------------------- errors
+@distributed(world_size=4, timeout=60)
+def test_parallelize_module_errors():
+    mesh = init_device_mesh("cpu", (4,))
+    model = Llama(CFG)
+    with pytest.raises(ValueError, match=r"'layers\.\*\.attn\.wq' matches no submodule.*"
+                                         r"no child of 'layers\.0'.*'attn'.*attention_norm"):
+        parallelize_module(model, mesh, {"layers.*.attn.wq": ColwiseParallel()})
+    assert not any(isinstance(p.data, DTensor) for p in model.parameters())  # untouched
+    with pytest.raises(ValueError, match="ColwiseParallel supports Linear and Embedding modules, "
+                                         "not Conv2d"):
+        parallelize_module(nn.Conv2d(3, 4, 3), mesh, ColwiseParallel())
+    conv_net = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4))
+    with pytest.raises(ValueError, match=r"submodule '1' \(plan key '1'\): RowwiseParallel "
+                                         "supports .* not LayerNorm"):
+        parallelize_module(conv_net, mesh, {"1": RowwiseParallel()})
+    mesh2d = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    with pytest.raises(ValueError, match=r'1-D device mesh.*2-D mesh of shape \(2, 2\).*mesh\["tp"\]'):
+        parallelize_module(nn.Linear(4, 4), mesh2d, ColwiseParallel())
+    for bad in [None, [ColwiseParallel()], "colwise"]:
+        with pytest.raises(ValueError, match="parallelize_plan must be a ParallelStyle or a dict"):
+            parallelize_module(nn.Linear(4, 4), mesh, bad)
+    with pytest.raises(ValueError, match="plan entries map a module path"):
+        parallelize_module(nn.Linear(4, 4), mesh, {"": "colwise"})
+    lin = parallelize_module(nn.Linear(4, 4), mesh2d["tp"], ColwiseParallel())
+    with pytest.raises(ValueError, match="already a DTensor"):
+        parallelize_module(lin, mesh2d["tp"], RowwiseParallel())
+    with pytest.raises(ValueError, match="n_heads=4 does not divide by the TP size 3"):
+        parallelize_llama(Llama(CFG), _FakeMesh(3))
+    sp_model = parallelize_llama(Llama(CFG), mesh, sequence_parallel=True)
+    with pytest.raises(ValueError, match="sequence length that divides by 4, got 6"):
+        sp_model(torch.zeros(2, 6, dtype=torch.long))
+
+
+class _FakeMesh:
+    def __init__(self, n):
+        self.n = n
+
+    def size(self):
+        return self.n
+
+
+def test_llama_tp_plan_contents():
+    model = Llama(CFG)
+    plan = llama_tp_plan(model, sequence_parallel=False, loss_parallel=False)
+    assert "layers.*.attention_norm" not in plan
+    assert plan["tok_embeddings"].output_layouts == Replicate()
+    sp_plan = llama_tp_plan(model, sequence_parallel=True, loss_parallel=True)
+    assert isinstance(sp_plan["layers.*.attention_norm"], SequenceParallel)
+    assert sp_plan["layers.*.attention.wo"].output_layouts == Shard(1)
+    assert sp_plan["output"].output_layouts == Shard(-1) and not sp_plan["output"].use_local_output

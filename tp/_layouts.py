@@ -1,0 +1,64 @@
+"""Moving activations between local tensors and DTensors at module boundaries.
+
+Every style's input/output hook does the same three things to one tensor: wrap a local tensor as
+a DTensor of a declared layout (``from_local``), redistribute it to the layout the module needs,
+and hand back either the DTensor or its local piece. All three are differentiable in
+dtensor_lite, so the backward of a hook is its exact transpose (the gradient of a Replicate input
+to a column-parallel Linear arrives Partial and is all-reduced by ``from_local``'s backward).
+
+Global shapes: a local tensor declared ``Shard(d)`` is assumed to be an *even* piece (global
+size = local size x mesh size), as in PyTorch, unless the caller knows the global size (a
+row-parallel Linear knows its input's last dim is ``in_features``).
+"""
+from __future__ import annotations
+
+import torch
+
+from dtensor_lite import DeviceMesh, DTensor, Placement, Replicate, Shard
+
+__all__ = ["one_layout", "to_dtensor", "convert"]
+
+
+def one_layout(layout, what: str) -> Placement | None:
+    """A single placement from ``layout`` (a Placement or a 1-tuple of one), else ValueError."""
+    if isinstance(layout, (tuple, list)):
+        if len(layout) != 1:
+            raise ValueError(f"{what} must be one placement (tensor parallelism uses a 1-D mesh), "
+                             f"got {layout!r}")
+        layout = layout[0]
+    if layout is not None and not isinstance(layout, Placement):
+        raise ValueError(f"{what} must be a placement such as Shard(-1) or Replicate(), got "
+                         f"{layout!r}")
+    return layout
+
+
+def _normalized(layout: Placement, ndim: int) -> Placement:
+    if layout.is_shard() and layout.dim < 0:
+        return Shard(layout.dim + ndim)
+    return layout
+
+
+def to_dtensor(x, mesh: DeviceMesh, layout: Placement, shape=None, *, who: str = "") -> DTensor:
+    """``x`` as a DTensor: DTensors pass as they are, local tensors are declared ``layout``."""
+    if isinstance(x, DTensor):
+        return x
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{who}: expected a tensor input to lay out as {layout}, got "
+                         f"{type(x).__name__}")
+    return DTensor.from_local(x, mesh, [_normalized(layout, x.ndim)], shape=shape)
+
+
+def convert(x, mesh: DeviceMesh, layout: Placement | None, desired: Placement | None,
+            use_local: bool, shape=None, *, who: str = ""):
+    """Declare ``x`` as ``layout``, redistribute to ``desired``, return a DTensor or its piece.
+
+    ``layout=None`` means "not a tensor we manage": ``x`` is returned untouched.
+    """
+    if layout is None:
+        return x
+    dt = to_dtensor(x, mesh, layout, shape, who=who)
+    if desired is not None:
+        want = _normalized(desired, dt.ndim)
+        if dt.placements != (want,):
+            dt = dt.redistribute(mesh, [want])
+    return dt.to_local() if use_local else dt

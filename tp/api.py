@@ -1,0 +1,103 @@
+"""parallelize_module: apply parallel styles to the submodules a plan names."""
+from __future__ import annotations
+
+import fnmatch
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from dtensor_lite import DeviceMesh, init_device_mesh
+
+from .style import ParallelStyle
+
+__all__ = ["parallelize_module"]
+
+
+def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
+                       parallelize_plan: ParallelStyle | dict[str, ParallelStyle] | None = None,
+                       *, src_data_rank: int | None = 0) -> nn.Module:
+    """Apply tensor-parallel styles to ``module`` (in place) and return it.
+
+    ``parallelize_plan`` is either one style for ``module`` itself, or a dict mapping submodule
+    paths to styles. A path's ``.``-separated parts are matched against child names with
+    ``fnmatch`` wildcards, each part matching one level: ``"layers.*.attention.wq"`` names
+    ``wq`` in every block. Entries apply in dict order. Every entry is resolved before anything
+    is changed, so a path that matches nothing leaves the module untouched.
+
+    ``device_mesh`` must be 1-D: the TP mesh (slice it out of a bigger mesh, ``mesh["tp"]``).
+    Default: all ranks in a 1-D mesh on the device of the module's parameters.
+    ``src_data_rank``: the rank whose full weights are scattered (``None``: every rank slices
+    its own copy, no communication); the module's weights should be equal on every rank.
+
+    Example::
+
+        >>> tp_mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))["tp"]
+        >>> parallelize_module(model, tp_mesh, {
+        ...     "layers.*.feed_forward.w1": ColwiseParallel(),
+        ...     "layers.*.feed_forward.w2": RowwiseParallel(),
+        ... })
+    """
+    mesh = _tp_mesh(module, device_mesh)
+    if isinstance(parallelize_plan, ParallelStyle):
+        targets = [("", "", module, parallelize_plan)]
+    elif isinstance(parallelize_plan, dict):
+        targets = []
+        for pattern, style in parallelize_plan.items():
+            if not isinstance(pattern, str) or not isinstance(style, ParallelStyle):
+                raise ValueError(
+                    f"parallelize_module: plan entries map a module path (str) to a style such "
+                    f"as ColwiseParallel(); got {pattern!r}: {style!r}")
+            matches = _match(module, pattern)
+            targets += [(pattern, fqn, sub, style) for fqn, sub in matches]
+    else:
+        raise ValueError(
+            f"parallelize_module: parallelize_plan must be a ParallelStyle or a dict of "
+            f"{{module path: ParallelStyle}}, got {type(parallelize_plan).__name__}; e.g. "
+            "{'layers.*.attention.wq': ColwiseParallel()}")
+    for pattern, fqn, sub, style in targets:
+        style.src_data_rank = src_data_rank
+        try:
+            style._apply(sub, mesh)
+        except ValueError as e:
+            where = f"submodule {fqn!r} (plan key {pattern!r})" if pattern else "the module"
+            raise ValueError(f"parallelize_module: {where}: {e}") from e
+    return module
+
+
+def _tp_mesh(module: nn.Module, device_mesh) -> DeviceMesh:
+    if device_mesh is None:
+        if not dist.is_initialized():
+            raise ValueError("parallelize_module: no device_mesh given and torch.distributed is "
+                             "not initialised; call init_process_group or pass a mesh")
+        param = next(module.parameters(), None)
+        device = "cuda" if param is not None and param.is_cuda else "cpu"
+        return init_device_mesh(device, (dist.get_world_size(),))
+    if not isinstance(device_mesh, DeviceMesh):
+        raise ValueError(f"parallelize_module: device_mesh must be a DeviceMesh, got "
+                         f"{type(device_mesh).__name__}")
+    if device_mesh.ndim != 1:
+        names = getattr(device_mesh, "mesh_dim_names", None)
+        hint = f'mesh["{names[-1]}"]' if names else "a 1-D mesh over the TP ranks"
+        raise ValueError(
+            f"parallelize_module needs a 1-D device mesh (the tensor-parallel dimension), got a "
+            f"{device_mesh.ndim}-D mesh of shape {tuple(device_mesh.shape)}; pass {hint}")
+    return device_mesh
+
+
+def _match(root: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
+    """(fqn, submodule) for every submodule whose path matches ``pattern``; ValueError if none."""
+    frontier = [("", root)]
+    for atom in pattern.split("."):
+        nxt = [(f"{fqn}.{name}" if fqn else name, child)
+               for fqn, mod in frontier for name, child in mod.named_children()
+               if fnmatch.fnmatchcase(name, atom)]
+        if not nxt:
+            parents = ", ".join(repr(f or type(root).__name__) for f, _ in frontier[:3])
+            children = sorted({name for _, mod in frontier for name, _ in mod.named_children()})
+            raise ValueError(
+                f"parallelize_module: plan key {pattern!r} matches no submodule of "
+                f"{type(root).__name__}: no child of {parents} matches {atom!r} (children: "
+                f"{', '.join(children) or 'none'}); fix the path or drop the entry")
+        frontier = nxt
+    return frontier
