@@ -11,10 +11,15 @@ from .redistribute import explain_redistribute, RedistributePlan
 from .api import (distribute_tensor, distribute_module, zeros, ones, empty, full, rand, randn)
 from . import debug, random
 from .strategy_api import local_map, register_sharding
+from .state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                         get_state_dict, set_model_state_dict, set_optimizer_state_dict,
+                         set_state_dict)
 
 __all__ = [
     "DeviceMesh", "init_device_mesh", "Placement", "Shard", "Replicate", "Partial", "DTensor",
     "DTensorSpec", "TensorMeta", "distribute_tensor", "distribute_module", "zeros", "ones",
     "empty", "full", "rand", "randn", "explain_redistribute", "RedistributePlan", "debug", "register_sharding", "local_map",
+    "StateDictOptions", "get_model_state_dict", "set_model_state_dict", "get_optimizer_state_dict",
+    "set_optimizer_state_dict", "get_state_dict", "set_state_dict",
 ]
 __version__ = "0.1.0"

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from .debug import _ACTIVE, _record
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "scatter",
-           "all_reduce_cost", "flat_all_gather", "flat_reduce_scatter"]
+           "broadcast_object", "all_reduce_cost", "flat_all_gather", "flat_reduce_scatter"]
 
 # torch 2.13 renamed the *_into_tensor / *_tensor collectives to *_single
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -159,6 +159,18 @@ def broadcast(tensor: torch.Tensor, mesh, mesh_dim: int, src_coord: int = 0) -> 
     if out is not tensor:
         tensor.copy_(out)
     return tensor
+
+
+def broadcast_object(obj, mesh, mesh_dim: int, src_coord: int = 0):
+    """Every rank of the mesh dim receives the picklable ``obj`` of the rank at ``src_coord``
+    (others pass anything, e.g. None). For small metadata (a state dict's keys and shapes)."""
+    dg = mesh._dim_group(mesh_dim)
+    if dg.size == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=dg.ranks[src_coord], group=dg.group)
+    _report("broadcast_object", 0, dg.size)  # pickled size is not known to every rank
+    return box[0]
 
 
 def scatter(chunks: list[torch.Tensor] | None, out: torch.Tensor, mesh, mesh_dim: int,

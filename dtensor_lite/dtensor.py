@@ -15,7 +15,7 @@ from .device_mesh import DeviceMesh
 from .placements import Partial, Placement, Replicate, Shard
 from .redistribute import plan_redistribute, run_plan
 from .spec import DTensorSpec, TensorMeta, contiguous_stride, normalize_placements
-from . import _caches
+from . import _caches, _dcp
 
 __all__ = ["DTensor"]
 
@@ -72,6 +72,16 @@ class DTensor(torch.Tensor):
         out = DTensor(self._local_tensor.clone(), self._spec, requires_grad=self.requires_grad)
         memo[id(self)] = out
         return out
+
+    # --- torch.distributed.checkpoint hooks (one box per rank; see _dcp.py)
+    def __create_write_items__(self, fqn: str, object):
+        return _dcp.create_write_items(fqn, self)
+
+    def __create_chunk_list__(self):
+        return _dcp.create_chunk_list(self)
+
+    def __get_tensor_shard__(self, index):
+        return _dcp.get_tensor_shard(self, index)
 
     # --- public surface
     @property
