@@ -1,0 +1,352 @@
+"""Train a small Llama-style model with FSDP, TP, FSDP+TP or HSDP+TP, chosen by ``--mesh``.
+
+    torchrun --standalone --nproc-per-node 4 examples/train_llama.py --mesh dp_shard=2,tp=2
+    torchrun --standalone --nproc-per-node 8 examples/train_llama.py \\
+        --mesh dp_replicate=2,dp_shard=2,tp=2
+    torchrun --standalone --nproc-per-node 4 examples/train_llama.py --mesh tp=4 --no-sp
+
+Mesh dims, outermost first (give any subset; their sizes multiply to the number of processes):
+
+* ``dp_replicate``: HSDP's replica groups (parameters replicated, gradients all-reduced);
+* ``dp_shard``: FSDP (parameters sharded, gathered per block, gradients reduce-scattered);
+* ``tp``: tensor parallelism (Megatron-style plan of ``examples/llama_parallel.py``), with
+  sequence parallelism and loss parallelism unless ``--no-sp`` / ``--no-loss-parallel``.
+
+The data is the bytes of ``examples/data/corpus.txt`` (public-domain text shipped with the repo):
+every step draws the same global batch of windows on every rank from the step number, each
+data-parallel rank trains on its rows, and TP ranks of one data-parallel group share theirs. So a
+run's losses do not depend on the mesh; ``reference_losses`` is the same training in one process.
+
+Checkpoints use ``torch.distributed.checkpoint`` on the sharded state dicts: ``--save DIR``
+writes one at the end, ``--resume DIR`` continues from one, on any mesh.
+Runs on CPU processes (gloo) by default, on GPUs (nccl) when CUDA is available.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+if __package__ in (None, ""):  # run as a script: make the repo importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dtensor_lite import DTensor, Partial, init_device_mesh  # noqa: E402
+from dtensor_lite.state_dict import get_state_dict, set_state_dict  # noqa: E402
+from examples.llama import Llama, LlamaConfig, loss_fn  # noqa: E402
+from examples.llama_parallel import parallelize_llama  # noqa: E402
+from fsdp import fully_shard  # noqa: E402
+from tp import loss_parallel  # noqa: E402
+
+MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
+
+
+@dataclasses.dataclass
+class TrainConfig:
+    mesh: str = "dp_shard=2,tp=2"
+    steps: int = 150
+    batch: int = 8              # global batch (rows); divides by the data-parallel size
+    seq: int = 64
+    lr: float = 3e-3
+    seed: int = 0
+    sequence_parallel: bool = True
+    loss_parallel: bool = True
+    save: str | None = None
+    resume: str | None = None
+    quiet: bool = False
+    model: LlamaConfig = dataclasses.field(default_factory=lambda: LlamaConfig(
+        vocab_size=256, dim=64, n_layers=2, n_heads=4, ffn_dim=160, max_seq_len=64))
+
+
+# ============================================================================ mesh
+def parse_mesh(text: str, world_size: int) -> dict[str, int]:
+    """``"dp_shard=2,tp=2"`` -> ``{"dp_shard": 2, "tp": 2}`` in canonical order, checked."""
+    sizes: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        if name not in MESH_DIMS or not value.isdigit() or int(value) < 1:
+            raise SystemExit(f"--mesh: bad entry {part!r}; use NAME=SIZE with NAME one of "
+                             f"{', '.join(MESH_DIMS)}, e.g. --mesh dp_shard=2,tp=2")
+        if name in sizes:
+            raise SystemExit(f"--mesh: {name} given twice in {text!r}")
+        sizes[name] = int(value)
+    if not sizes:
+        sizes = {"dp_shard": world_size}
+    if "dp_replicate" in sizes and "dp_shard" not in sizes:
+        raise SystemExit("--mesh: dp_replicate (HSDP) needs dp_shard too, e.g. "
+                         "dp_replicate=2,dp_shard=2")
+    if math.prod(sizes.values()) != world_size:
+        raise SystemExit(f"--mesh {text!r} holds {math.prod(sizes.values())} ranks but "
+                         f"{world_size} processes are running; make the sizes multiply to "
+                         f"{world_size} (torchrun --nproc-per-node N)")
+    return {name: sizes[name] for name in MESH_DIMS if name in sizes}
+
+
+def dp_names(sizes: dict[str, int]) -> tuple[str, ...]:
+    return tuple(n for n in ("dp_replicate", "dp_shard") if n in sizes)
+
+
+# ============================================================================ data
+def corpus_tokens() -> torch.Tensor:
+    return torch.tensor(list(CORPUS.read_bytes()), dtype=torch.long)
+
+
+def global_batch(tokens: torch.Tensor, step: int, cfg: TrainConfig):
+    """The same ``(inputs, targets)`` on every rank: windows drawn from the step number."""
+    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    starts = torch.randint(0, len(tokens) - cfg.seq - 1, (cfg.batch,), generator=g)
+    windows = torch.stack([tokens[s:s + cfg.seq + 1] for s in starts.tolist()])
+    return windows[:, :-1], windows[:, 1:]
+
+
+# ============================================================================ model
+def build(cfg: TrainConfig, mesh, sizes: dict[str, int]):
+    """The model with TP then FSDP applied as the mesh says, and its AdamW optimizer."""
+    torch.manual_seed(cfg.seed)
+    model = Llama(cfg.model)
+    if mesh.device_type == "cuda":
+        model = model.cuda()
+    if "tp" in sizes:
+        parallelize_llama(model, mesh["tp"], sequence_parallel=cfg.sequence_parallel,
+                          loss_parallel=cfg.loss_parallel)
+    if dp_names(sizes):
+        dp_mesh = mesh[dp_names(sizes)]
+        for block in model.layers:
+            fully_shard(block, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    return model, opt
+
+
+def uses_loss_parallel(cfg: TrainConfig, sizes) -> bool:
+    return "tp" in sizes and cfg.loss_parallel
+
+
+def train_step(model, opt, inputs, targets, loss_parallel_on: bool) -> torch.Tensor:
+    """One AdamW step; returns this rank's loss (a plain 0-d tensor, detached)."""
+    if loss_parallel_on:
+        with loss_parallel():
+            loss = loss_fn(model(inputs), targets)
+            loss.backward()
+        local = loss.to_local()
+    else:
+        loss = loss_fn(model(inputs), targets)
+        loss.backward()
+        local = loss
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    return local.detach()
+
+
+# ============================================================================ checkpoints
+def save_checkpoint(path: str, model, opt, step: int):
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd, "step": torch.tensor(step)},
+             checkpoint_id=path)
+
+
+def load_checkpoint(path: str, model, opt) -> int:
+    """Load ``path`` (written on any mesh) into ``model`` / ``opt``; returns the step to run."""
+    model_sd, optim_sd = get_state_dict(model, opt)   # templates with this mesh's layouts
+    state = {"model": model_sd, "optim": optim_sd, "step": torch.tensor(0)}
+    dcp.load(state, checkpoint_id=path)
+    set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return int(state["step"])
+
+
+# ============================================================================ training
+def train(cfg: TrainConfig) -> list[float]:
+    """Train as ``cfg`` says (torch.distributed must be initialised); returns the mean loss of
+    every step run (the same on every rank)."""
+    world = dist.get_world_size()
+    sizes = parse_mesh(cfg.mesh, world)
+    device_type = "cuda" if torch.cuda.is_available() else "cpu"
+    mesh = init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+    dp_size = math.prod(sizes[n] for n in dp_names(sizes)) if dp_names(sizes) else 1
+    if cfg.batch % dp_size:
+        raise SystemExit(f"--batch {cfg.batch} does not divide by the data-parallel size "
+                         f"{dp_size}; every data-parallel rank trains on batch/{dp_size} rows")
+    if "tp" in sizes and cfg.sequence_parallel and cfg.seq % sizes["tp"]:
+        raise SystemExit(f"--seq {cfg.seq} does not divide by tp={sizes['tp']} (sequence "
+                         "parallelism splits it); change --seq or pass --no-sp")
+    model, opt = build(cfg, mesh, sizes)
+    start = load_checkpoint(cfg.resume, model, opt) if cfg.resume else 0
+    show = _Display(cfg, mesh, sizes, model, start) if not cfg.quiet and dist.get_rank() == 0 \
+        else None
+
+    dp_rank = _dp_rank(mesh, sizes)
+    rows = cfg.batch // dp_size
+    world_mesh = init_device_mesh(device_type, (world,))
+    tokens = corpus_tokens()
+    lp = uses_loss_parallel(cfg, sizes)
+    losses = []
+    for step in range(start, cfg.steps):
+        t0 = time.perf_counter()
+        inputs, targets = global_batch(tokens, step, cfg)
+        inputs, targets = (x[dp_rank * rows:(dp_rank + 1) * rows].to(device_type)
+                           for x in (inputs, targets))
+        local = train_step(model, opt, inputs, targets, lp)
+        # every rank's loss as the pieces of a Partial("avg") DTensor: full_tensor() averages
+        mean = DTensor.from_local(local.reshape(1).float(), world_mesh,
+                                  [Partial("avg")]).full_tensor()
+        losses.append(float(mean))
+        if show:
+            show.step(step, losses[-1], cfg.batch * cfg.seq / (time.perf_counter() - t0))
+    if cfg.save:
+        save_checkpoint(cfg.save, model, opt, cfg.steps)
+    if show:
+        show.finish(losses, cfg.save)
+    return losses
+
+
+def reference_losses(cfg: TrainConfig) -> list[float]:
+    """The same training in one process on the whole batch: what every mesh must reproduce."""
+    torch.manual_seed(cfg.seed)
+    model = Llama(cfg.model)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    tokens = corpus_tokens()
+    return [float(train_step(model, opt, *global_batch(tokens, step, cfg), False))
+            for step in range(cfg.steps)]
+
+
+def _dp_rank(mesh, sizes) -> int:
+    """This rank's index among the data-parallel ranks (dp_replicate major, dp_shard minor)."""
+    rank = 0
+    for name in dp_names(sizes):
+        rank = rank * sizes[name] + mesh.get_local_rank(name)
+    return rank
+
+
+# ============================================================================ output (rank 0)
+class _Display:
+    """rich tables of the mesh and the parameter layouts, a progress bar, a summary."""
+
+    ROLES = {"dp_replicate": "replicate parameters, all-reduce gradients (HSDP)",
+             "dp_shard": "shard parameters, all-gather / reduce-scatter (FSDP)",
+             "tp": "split matmuls and activations (tensor parallel)"}
+
+    def __init__(self, cfg, mesh, sizes, model, start):
+        from rich.console import Console
+        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
+                                   TimeElapsedColumn)
+        from rich.table import Table
+
+        self.console = Console()
+        self.t0 = time.perf_counter()
+        self.rates: list[float] = []
+        mesh_table = Table(title=f"device mesh ({mesh.device_type}, "
+                                 f"{mesh.mesh.numel()} ranks)")
+        for col in ("dim", "size", "role"):
+            mesh_table.add_column(col)
+        for name, size in sizes.items():
+            mesh_table.add_row(name, str(size), self.ROLES[name])
+        self.console.print(mesh_table)
+        params = Table(title="parameters: global shape, placement per mesh dim, rank 0's piece",
+                       caption="S(d): shard dim d, R: replicate; S(d)* splits each piece that "
+                               "the dims to its right cut first (PyTorch's _StridedShard)")
+        for col in ("name", "global", *(n for n in sizes), "local"):
+            params.add_column(col)
+        for name, p in model.named_parameters():
+            params.add_row(name, str(tuple(p.shape)), *_placement_cells(p, mesh, sizes),
+                           str(tuple(p.to_local().shape) if isinstance(p, DTensor) else p.shape))
+        self.console.print(params)
+        extras = []
+        if "tp" in sizes:
+            extras.append(f"sequence parallel {'on' if cfg.sequence_parallel else 'off'}, "
+                          f"loss parallel {'on' if cfg.loss_parallel else 'off'}")
+        if start:
+            extras.append(f"resumed from {cfg.resume} at step {start}")
+        if extras:
+            self.console.print("; ".join(extras))
+        self.progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
+                                 TextColumn("loss {task.fields[loss]:.4f}"),
+                                 TextColumn("{task.fields[rate]:,.0f} tokens/s"),
+                                 TimeElapsedColumn(), console=self.console)
+        self.task = self.progress.add_task("train", total=cfg.steps, completed=start,
+                                           loss=float("nan"), rate=0.0)
+        self.progress.start()
+
+    def step(self, step: int, loss: float, rate: float):
+        self.rates.append(rate)
+        self.progress.update(self.task, completed=step + 1, loss=loss, rate=rate)
+
+    def finish(self, losses: list[float], saved: str | None):
+        self.progress.stop()
+        if not losses:
+            self.console.print("nothing to do: the checkpoint is already at --steps")
+            return
+        # the first steps include warm-up (process groups, caches): report the median rate
+        rate = sorted(self.rates)[len(self.rates) // 2]
+        self.console.print(
+            f"[bold green]done[/]: {len(losses)} steps in {time.perf_counter() - self.t0:.1f} s, "
+            f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, median {rate:,.0f} tokens/s"
+            + (f", checkpoint saved to {saved}" if saved else ""))
+
+
+def _placement_cells(p, mesh, sizes) -> list[str]:
+    """One short cell per mesh dim: what ``p`` does along it ("-" where it is not there)."""
+    cells = {name: "-" for name in sizes}
+    if isinstance(p, DTensor):
+        names = p.device_mesh.mesh_dim_names or tuple(sizes)
+        for name, placement in zip(names, p.placements):
+            if placement.is_shard():
+                strided = type(placement).__name__ == "_StridedShard"
+                cells[name] = f"S({placement.dim}){'*' if strided else ''}"
+            else:
+                cells[name] = "R" if placement.is_replicate() else repr(placement)
+    return [cells[name] for name in sizes]
+
+
+# ============================================================================ command line
+def parse_args(argv=None) -> TrainConfig:
+    d = TrainConfig()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mesh", default=d.mesh,
+                    help="mesh dims and sizes, e.g. dp_shard=4 | tp=2 | dp_shard=2,tp=2 | "
+                         "dp_replicate=2,dp_shard=2,tp=2 (default %(default)s)")
+    ap.add_argument("--steps", type=int, default=d.steps, help="total steps (default %(default)s)")
+    ap.add_argument("--batch", type=int, default=d.batch)
+    ap.add_argument("--seq", type=int, default=d.seq)
+    ap.add_argument("--lr", type=float, default=d.lr)
+    ap.add_argument("--seed", type=int, default=d.seed)
+    ap.add_argument("--no-sp", dest="sequence_parallel", action="store_false",
+                    help="tensor parallelism without sequence parallelism")
+    ap.add_argument("--no-loss-parallel", dest="loss_parallel", action="store_false",
+                    help="gather the logits instead of a vocab-parallel loss")
+    ap.add_argument("--save", metavar="DIR", help="write a checkpoint (DCP) at the end")
+    ap.add_argument("--resume", metavar="DIR", help="continue from a checkpoint (any mesh)")
+    ap.add_argument("--quiet", action="store_true", help="no tables or progress bar")
+    args = ap.parse_args(argv)
+    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+                         if f.name != "model"})
+    if cfg.seq > cfg.model.max_seq_len:
+        cfg.model = dataclasses.replace(cfg.model, max_seq_len=cfg.seq)
+    return cfg
+
+
+def main(argv=None):
+    cfg = parse_args(argv)
+    if "RANK" not in os.environ:  # plain `python train_llama.py`: one process
+        os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    torch.set_num_threads(1)  # several processes share the cores
+    dist.init_process_group(backend)
+    try:
+        train(cfg)
+    finally:
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
