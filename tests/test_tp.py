@@ -28,12 +28,12 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _train_llama(world, sp, lp, steps=10):
+def _train_llama(world, sp, lp, steps=10, cfg=CFG):
     """Train the TP model and the plain one side by side; return per-step relative loss diffs and
     the largest relative gradient error after the first backward."""
     mesh = init_device_mesh("cpu", (world,))
     torch.manual_seed(0)
-    ref = Llama(CFG)
+    ref = Llama(cfg)
     model = parallelize_llama(copy.deepcopy(ref), mesh, sequence_parallel=sp, loss_parallel=lp)
     for name, p in model.named_parameters():
         # as in PyTorch, only the modules of the plan get DTensor parameters: the norms without
@@ -50,7 +50,7 @@ def _train_llama(world, sp, lp, steps=10):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rel_diffs, grad_err = [], None
     for step in range(steps):
-        inputs, targets = _tokens()
+        inputs, targets = _tokens(vocab=cfg.vocab_size)
         ref_loss = loss_fn(ref(inputs), targets)
         logits = model(inputs)
         if lp:
@@ -60,7 +60,7 @@ def _train_llama(world, sp, lp, steps=10):
             assert isinstance(loss, DTensor) and loss.placements == (Replicate(),)
             value = loss.to_local()
         else:
-            assert not isinstance(logits, DTensor) and logits.shape == (4, 8, CFG.vocab_size)
+            assert not isinstance(logits, DTensor) and logits.shape == (4, 8, cfg.vocab_size)
             loss = value = loss_fn(logits, targets)
         rel_diffs.append(abs(value.item() - ref_loss.item()) / abs(ref_loss.item()))
         ref_loss.backward()
@@ -90,6 +90,14 @@ def test_llama_tp_matches_single_process(world, sp, lp):
     rel, grad_err = results[0]
     print(f"world={world} sp={sp} lp={lp}: max loss rel diff {rel:.2e}, "
           f"max grad rel err {grad_err:.2e}")
+
+
+def test_llama_tp_uneven_hidden_and_vocab():
+    # 4 ranks: ffn 30 -> pieces 8, 8, 8, 6 (the row-parallel w2 knows its in_features, so the
+    # local pieces need not be even); vocab 62 -> 16, 16, 16, 14 in the embedding and the output
+    cfg = LlamaConfig(vocab_size=62, dim=16, n_layers=1, n_heads=4, ffn_dim=30, max_seq_len=16)
+    rel, _ = run_distributed(4, _train_llama, 4, True, True, steps=3, cfg=cfg, timeout=120)[0]
+    print(f"uneven ffn/vocab on 4 ranks: max loss rel diff {rel:.2e}")
 
 
 # ----------------------------------------------------------------------------- collectives
@@ -172,6 +180,10 @@ def test_colwise_linear(out_features):
     out.pow(2).sum().backward()
     ref(xr_ref).pow(2).sum().backward()
     torch.testing.assert_close(xr.grad, xr_ref.grad)
+    # no mesh: all ranks, 1-D; src_data_rank=None slices each rank's own (equal) copy
+    lin2 = parallelize_module(nn.Linear(5, 6), parallelize_plan=ColwiseParallel(),
+                              src_data_rank=None)
+    assert lin2.weight.device_mesh.shape == (2,) and lin2.weight.to_local().shape == (3, 5)
 
 
 @distributed(world_size=2, timeout=60)
