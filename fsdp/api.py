@@ -79,13 +79,17 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     ignored = {id(p) for p in (ignored_params or ())}
 
     managed = _collect_params(modules, ignored)
+    tp_meshes = {p.device_mesh for p, _ in managed if isinstance(p, DTensor)}
+    # plain parameters of a TP'd group join its TP mesh as Replicate (see FSDPParam)
+    replicate_over = next(iter(tp_meshes)) if len(tp_meshes) == 1 else None
     fsdp_params = []
     for param, owners in managed:
         where = _where(owners)
         _check_param(param, where, mesh, device)
         dim = _shard_dim(param, where, shard_placement_fn)
         fsdp_params.append(FSDPParam(param, owners, info, dim, device, offload,
-                                     getattr(offload_policy, "pin_memory", False)))
+                                     getattr(offload_policy, "pin_memory", False),
+                                     replicate_over))
     group = None
     if fsdp_params:
         group = ParamGroup(fsdp_params, modules, info, mp_policy, offload, device)

@@ -23,8 +23,8 @@ import weakref
 import torch
 import torch.nn as nn
 
-from dtensor_lite import DTensor, distribute_tensor
-from dtensor_lite.spec import DTensorSpec, chunk_range, contiguous_stride
+from dtensor_lite import DTensor, Replicate, distribute_tensor
+from dtensor_lite.spec import DTensorSpec, TensorMeta, chunk_range, contiguous_stride
 
 __all__ = ["FSDPParam"]
 
@@ -37,7 +37,8 @@ class FSDPParam:
     """
 
     def __init__(self, param: nn.Parameter, owners: list[tuple[nn.Module, str]], mesh_info,
-                 shard_dim: int, device: torch.device, offload: bool, pin_memory: bool):
+                 shard_dim: int, device: torch.device, offload: bool, pin_memory: bool,
+                 replicate_over=None):
         self.owners = owners
         self.fqn = owners[0][1] if owners else "?"
         self.mesh_info = mesh_info
@@ -54,6 +55,14 @@ class FSDPParam:
         # a DTensor parameter (tensor parallelism): FSDP shards this rank's TP piece further and
         # hands modules the gathered piece as a DTensor with the TP layout again
         self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
+        self.tp_visible = self.tp_spec is not None
+        if self.tp_spec is None and replicate_over is not None:
+            # a plain parameter next to TP ones (a norm without sequence parallelism): it is
+            # replicated over the TP dims, so say so and live on the same mesh as its neighbours
+            # (one mesh for all parameters: torch's clip_grad_norm_ and foreach optimizers
+            # need that); modules still see it as a plain tensor
+            meta = TensorMeta(param.shape, contiguous_stride(param.shape), param.dtype)
+            self.tp_spec = DTensorSpec(replicate_over, (Replicate(),) * replicate_over.ndim, meta)
         self.layout: DTensorSpec | None = None     # the sharded parameter's spec (any dtype)
         self.sharded = self._shard(param)
         self._init_geometry()
@@ -66,7 +75,7 @@ class FSDPParam:
     def _shard(self, param: nn.Parameter) -> nn.Parameter:
         info = self.mesh_info
         data = param.detach()
-        if self.tp_spec is not None:
+        if self.tp_visible:
             data = data.to_local()  # this rank's TP piece is what the dp dims shard
         if data.device.type not in ("meta", self.device.type):
             data = data.to(self.device)
@@ -109,7 +118,7 @@ class FSDPParam:
         or for a TP parameter a DTensor with the TP layout around it (differentiable: the
         gradient comes back as this rank's TP piece, reduced over TP where it was Partial)."""
         tp = self.tp_spec
-        if tp is None:
+        if not self.tp_visible:
             return unsharded
         return DTensor.from_local(unsharded, tp.mesh, tp.public_placements(), shape=tp.shape,
                                   stride=tp.stride)

@@ -129,3 +129,38 @@ def test_partial_tp_param_is_refused():
     model.weight = nn.Parameter(DTensor.from_local(torch.zeros(4, 4), tp, [Partial()]))
     with pytest.raises(ValueError, match="cannot be Partial"):
         fully_shard(model, mesh=dp)
+
+
+@distributed(world_size=4, timeout=120)
+@pytest.mark.parametrize("sequence_parallel", [True, False], ids=["sp", "no-sp"])
+def test_llama_grads_and_clip_grad_norm(sequence_parallel):
+    """Every gradient equals plain torch's, every parameter lives on the one 2-D mesh (plain
+    norms too, as Replicate over tp), so torch's own clip_grad_norm_ works and agrees."""
+    from examples.llama import Llama, LlamaConfig, loss_fn
+    from examples.llama_parallel import parallelize_llama
+
+    mesh, dp, tp = _meshes(*MESHES["fsdp+tp 2x2"])
+    cfg = LlamaConfig(vocab_size=64, dim=16, n_layers=2, n_heads=4, ffn_dim=24, max_seq_len=16)
+    torch.manual_seed(0)
+    ref = Llama(cfg)
+    model = copy.deepcopy(ref)
+    parallelize_llama(model, tp, sequence_parallel=sequence_parallel)
+    for block in model.layers:
+        fully_shard(block, mesh=dp)
+    fully_shard(model, mesh=dp)
+    assert {p.device_mesh for p in model.parameters()} == {mesh}
+    tokens = torch.randint(0, cfg.vocab_size, (4, 9))
+    loss_fn(ref(tokens[:, :-1]), tokens[:, 1:]).backward()
+    me = _dp_rank(dp)
+    mine = tokens[2 * me:2 * me + 2]
+    loss_fn(model(mine[:, :-1]), mine[:, 1:]).backward()
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+        assert p.grad.placements == p.placements, name
+        torch.testing.assert_close(p.grad.full_tensor(), p_ref.grad, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"grad of {name}: {m}")
+    ref_norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), 0.5)
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 0.5)
+    torch.testing.assert_close(norm.full_tensor(), ref_norm, rtol=1e-5, atol=1e-6)
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), p_ref.grad, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"clipped grad of {name}: {m}")
