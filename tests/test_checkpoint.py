@@ -71,7 +71,7 @@ def _full(sd):
     """Plain tensors of a (possibly nested) state dict, gathered where they are DTensors."""
     if isinstance(sd, dict):
         return {k: _full(v) for k, v in sd.items()}
-    if isinstance(sd, list):
+    if isinstance(sd, (list, tuple)):
         return [_full(v) for v in sd]
     return sd.full_tensor() if isinstance(sd, DTensor) else sd
 
@@ -83,7 +83,7 @@ def _assert_equal(got, want, where=""):
         assert set(got) == set(want), f"{where}: keys {sorted(got)} != {sorted(want)}"
         for k in want:
             _assert_equal(got[k], want[k], f"{where}.{k}")
-    elif isinstance(want, list):
+    elif isinstance(want, (list, tuple)):
         assert len(got) == len(want), where
         for i, (g, w) in enumerate(zip(got, want)):
             _assert_equal(g, w, f"{where}[{i}]")
@@ -175,6 +175,37 @@ def test_full_optimizer_state_dict_resume():
     opt = torch.optim.AdamW(model.parameters(), lr=LR)
     set_optimizer_state_dict(model, opt, plain_opt.state_dict(), full_state_dict=True)
     _assert_equal(get_optimizer_state_dict(model, opt), get_optimizer_state_dict(plain, plain_opt))
+
+
+def _two_optimizers(model):
+    """AdamW for the blocks, SGD with momentum for the rest: two optimizers, one state dict."""
+    blocks = [p for n, p in model.named_parameters() if n.startswith("layers.")]
+    rest = [p for n, p in model.named_parameters() if not n.startswith("layers.")]
+    return [torch.optim.AdamW(blocks, lr=LR), torch.optim.SGD(rest, lr=LR, momentum=0.9)]
+
+
+@distributed(world_size=2)
+def test_several_optimizers_and_frozen_params():
+    model = _sharded((2,))
+    opts = _two_optimizers(model)
+    for tokens in batches(2):
+        mine = my_rows(tokens)
+        loss_fn(model(mine[:, :-1]), mine[:, 1:]).backward()
+        for opt in opts:
+            opt.step()
+            opt.zero_grad()
+    msd, osd = get_state_dict(model, opts, full_state_dict=True)
+    assert len(osd["param_groups"]) == 2 and "momentum_buffer" in osd["state"]["norm.weight"]
+    other = _sharded((2,), seed=3)
+    other_opts = _two_optimizers(other)
+    set_state_dict(other, other_opts, model_state_dict=msd, optim_state_dict=osd,
+                   full_state_dict=True)
+    _assert_equal(get_state_dict(other, other_opts), get_state_dict(model, opts))
+
+    plain = _plain()
+    plain.norm.weight.requires_grad_(False)
+    kept = get_model_state_dict(plain, options=StateDictOptions(ignore_frozen_params=True))
+    assert set(kept) == set(plain.state_dict()) - {"norm.weight"}
 
 
 # ----------------------------------------------------------------------------- DCP: DTensors
