@@ -55,10 +55,15 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
       to keep sharded parameters and gradients on the CPU.
     * ``ignored_params``: parameters left alone (not sharded, not reduced).
 
+    DTensor parameters (after ``tp.parallelize_module`` on another dim of the same mesh) are
+    sharded further: each becomes one DTensor over the data-parallel dims followed by the TP
+    dims, and modules see TP DTensors during forward and backward (docs/2d.md).
+
     Example::
 
         >>> fully_shard(model.layers[0], mesh=mesh, reshard_after_forward=False)
         >>> fully_shard(model, mesh=init_device_mesh("cpu", (2, 2)))        # HSDP
+        >>> fully_shard(tp_model, mesh=mesh["dp"])      # FSDP over TP on a ("dp", "tp") mesh
     """
     modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
     _check_modules(modules)
