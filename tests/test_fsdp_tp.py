@@ -164,3 +164,34 @@ def test_llama_grads_and_clip_grad_norm(sequence_parallel):
     for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
         torch.testing.assert_close(p.grad.full_tensor(), p_ref.grad, rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"clipped grad of {name}: {m}")
+
+
+@distributed(world_size=4, timeout=120)
+def test_meta_init_gives_the_weights_of_plain_torch():
+    """Build on meta, TP + FSDP, then materialise and re-initialise: each rank writes only its
+    piece, and the random inits give exactly the single-process weights of the same seed."""
+    from examples.llama import Llama, LlamaConfig
+    from examples.llama_parallel import parallelize_llama
+
+    mesh, dp, tp = _meshes(*MESHES["fsdp+tp 2x2"])
+    cfg = LlamaConfig(vocab_size=62, dim=16, n_layers=1, n_heads=4, ffn_dim=22, max_seq_len=16)
+    with torch.device("meta"):
+        model = Llama(cfg)
+    parallelize_llama(model, tp, sequence_parallel=True)
+    for block in model.layers:
+        fully_shard(block, mesh=dp)
+    fully_shard(model, mesh=dp)
+    model.to_empty(device="cpu")
+
+    def init(m):
+        torch.manual_seed(0)
+        for sub in m.modules():
+            if hasattr(sub, "reset_parameters"):
+                sub.reset_parameters()
+        return m
+
+    init(model)
+    ref = init(Llama(cfg))
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+        assert p.device_mesh == mesh and p.to_local().device.type == "cpu", name
+        assert torch.equal(p.full_tensor(), p_ref), name
