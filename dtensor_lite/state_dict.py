@@ -216,45 +216,50 @@ def set_optimizer_state_dict(model: nn.Module, optimizers, optim_state_dict: dic
         optim_state_dict = _skeleton_from_rank0(optim_state_dict, like)
     if not isinstance(optim_state_dict, dict) or "state" not in optim_state_dict or \
             "param_groups" not in optim_state_dict:
+        got = list(optim_state_dict) if isinstance(optim_state_dict, dict) else optim_state_dict
         raise ValueError("set_optimizer_state_dict: expected {'state': ..., 'param_groups': ...} "
-                         f"(from get_optimizer_state_dict), got keys "
-                         f"{list(optim_state_dict) if isinstance(optim_state_dict, dict) else optim_state_dict!r}")
+                         f"(from get_optimizer_state_dict), got {got!r}")
     groups = list(optim_state_dict["param_groups"])
-    state = optim_state_dict["state"]
     by_fqn = _by_fqn(model)
-    for opt in optimizers:
-        params = _params_in_order(opt)
-        index_of = {id(p): i for i, p in enumerate(params)}
+    for opt in optimizers:  # each takes as many groups as it has, in order
         n_groups = len(opt.param_groups)
         mine, groups = groups[:n_groups], groups[n_groups:]
         if len(mine) != n_groups:
             raise ValueError(f"set_optimizer_state_dict: the optimizer has {n_groups} param "
                              f"groups but the state dict has only {len(mine)} left for it")
+        _load_optimizer(opt, mine, optim_state_dict["state"], by_fqn, type(model).__name__)
 
-        def resolve(ref):
-            """(index in this optimizer, parameter, name) of an FQN or an integer id."""
-            if isinstance(ref, int):
-                if not 0 <= ref < len(params):
-                    raise ValueError(f"set_optimizer_state_dict: parameter id {ref} is out of range "
-                                     f"for an optimizer of {len(params)} parameters")
-                return ref, params[ref], f"parameter #{ref}"
-            p = by_fqn.get(ref)
-            if p is None or id(p) not in index_of:
-                raise ValueError(f"set_optimizer_state_dict: {ref!r} is not a parameter of "
-                                 f"{type(model).__name__} handled by this optimizer")
-            return index_of[id(p)], p, ref
 
-        new_state = {}
-        for ref in [r for g in mine for r in g["params"]]:
-            if ref not in state:
-                continue
-            i, p, name = resolve(ref)
-            current = opt.state.get(p, {})
-            new_state[i] = {k: _to_target(f"optimizer state {k!r} of {name}", v,
-                                          _state_target(current.get(k), v, p))
-                            for k, v in state[ref].items()}
-        new_groups = [{**g, "params": [resolve(r)[0] for r in g["params"]]} for g in mine]
-        opt.load_state_dict({"state": new_state, "param_groups": new_groups})
+def _load_optimizer(opt, groups: list, state: dict, by_fqn: dict, model_name: str) -> None:
+    """Translate FQNs (or integer ids) to this optimizer's ids, lay every state tensor out like
+    the optimizer's own, and load."""
+    params = _params_in_order(opt)
+    index_of = {id(p): i for i, p in enumerate(params)}
+
+    def resolve(ref):
+        """(index in this optimizer, parameter, name) of an FQN or an integer id."""
+        if isinstance(ref, int):
+            if not 0 <= ref < len(params):
+                raise ValueError(f"set_optimizer_state_dict: parameter id {ref} is out of range "
+                                 f"for an optimizer of {len(params)} parameters")
+            return ref, params[ref], f"parameter #{ref}"
+        p = by_fqn.get(ref)
+        if p is None or id(p) not in index_of:
+            raise ValueError(f"set_optimizer_state_dict: {ref!r} is not a parameter of "
+                             f"{model_name} handled by this optimizer")
+        return index_of[id(p)], p, ref
+
+    new_state = {}
+    for ref in [r for g in groups for r in g["params"]]:
+        if ref not in state:
+            continue
+        i, p, name = resolve(ref)
+        current = opt.state.get(p, {})
+        new_state[i] = {k: _to_target(f"optimizer state {k!r} of {name}", v,
+                                      _state_target(current.get(k), v, p))
+                        for k, v in state[ref].items()}
+    new_groups = [{**g, "params": [resolve(r)[0] for r in g["params"]]} for g in groups]
+    opt.load_state_dict({"state": new_state, "param_groups": new_groups})
 
 
 def _state_target(current, value, param):
