@@ -108,6 +108,11 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
                                     with_kwargs=True)
         # always_call: a forward that raises still ends the use (else the next one is skipped)
         m.register_forward_hook(functools.partial(hooks.post_forward, state), always_call=True)
+        # state dicts always see (and load into) the sharded DTensor parameters, even between a
+        # forward and its backward, when the root still holds gathered ones
+        m.register_state_dict_pre_hook(functools.partial(hooks.reshard_for_state_dict, state))
+        m.register_load_state_dict_pre_hook(functools.partial(hooks.reshard_for_state_dict,
+                                                              state))
         m.__class__ = _fsdp_class(type(m))
     return module
 

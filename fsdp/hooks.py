@@ -28,7 +28,8 @@ import torch.nn as nn
 from .param_group import ShardState
 from .state import FSDPState
 
-__all__ = ["pre_forward", "post_forward", "map_tensors", "collect_tensors"]
+__all__ = ["pre_forward", "post_forward", "reshard_for_state_dict", "map_tensors",
+           "collect_tensors"]
 
 
 # ===================================================================== autograd glue
@@ -129,6 +130,14 @@ class _PreBackward:
             group.prefetched_in_backward = True
             _prefetch_backward(state, state.ctx)
         return None
+
+
+def reshard_for_state_dict(state: FSDPState, *_args, **_kwargs):
+    """Before ``state_dict`` / ``load_state_dict``: show the sharded parameters. A backward still
+    to come all-gathers them again (into the same storage its saved tensors point at)."""
+    group = state.group
+    if group is not None and group.state is not ShardState.SHARDED:
+        group.reshard()
 
 
 # ===================================================================== prefetching

@@ -188,6 +188,28 @@ def test_state_dict_exposes_dtensors_and_loads():
 
 
 @distributed(world_size=2)
+def test_state_dict_between_forward_and_backward():
+    """The root keeps its gathered parameters from forward to backward; a state dict taken or
+    loaded in between still sees the sharded DTensors, and the backward still matches."""
+    ref = Net()
+    model = shard_net(copy.deepcopy(ref), make_mesh((2,)))
+    x = data()
+    loss = model(my_rows(x)).sum()
+    sd = model.state_dict()
+    for k, v in sd.items():
+        assert isinstance(v, DTensor) and v.placements == (Shard(0),), k
+        torch.testing.assert_close(v.full_tensor(), ref.state_dict()[k])
+    model.load_state_dict(sd)                  # in place, into the sharded parameters
+    loss.backward()
+    ref(x).sum().backward()
+    for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
+        assert isinstance(p, DTensor), name
+        # each rank's loss sums its rows; FSDP averages over the 2 ranks
+        torch.testing.assert_close(p.grad.full_tensor() * 2, p_ref.grad, rtol=1e-5, atol=1e-6,
+                                   msg=lambda m: f"grad of {name}: {m}")
+
+
+@distributed(world_size=2)
 def test_output_dtype_input_cast_and_bf16_reduce():
     from fsdp import MixedPrecisionPolicy
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16)
