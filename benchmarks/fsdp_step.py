@@ -168,13 +168,15 @@ def bench(impl: str, world: int, steps: int, warmup: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- processes
-def _worker(rank, world, port, args, queue):
+def _worker(rank, world, port, queue, fn, *fn_args):
+    """One spawned rank of a gloo world: runs ``fn(*fn_args)``; rank 0 puts its result on
+    ``queue``. (benchmarks/tp_step.py spawns through this too.)"""
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     store = dist.TCPStore("127.0.0.1", port, world, rank == 0)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     try:
-        results = _run_all(world, args)
+        results = fn(*fn_args)
         if rank == 0:
             queue.put(results)
     finally:
@@ -230,8 +232,8 @@ def main():
         ctx = mp.get_context("spawn")
         for world in args.worlds:
             queue = ctx.Queue()
-            mp.start_processes(_worker, args=(world, _free_port(), args, queue), nprocs=world,
-                               start_method="spawn", join=True)
+            mp.start_processes(_worker, args=(world, _free_port(), queue, _run_all, world, args),
+                               nprocs=world, start_method="spawn", join=True)
             rows.extend(queue.get())
     print(f"model: {CFG}\nglobal batch {BATCH} x {SEQ - 1} tokens, AdamW, gloo on CPU\n")
     print(_table(rows))
