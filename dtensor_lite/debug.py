@@ -103,22 +103,27 @@ class CommDebugMode:
             else:
                 name = f"{self._module_stack[-1]}.<{type(module).__name__}>"
         self._module_stack.append(name)
+        if id(module) not in self._exit_hooks:
+            # the module leaves the stack after its *own* forward hooks, not before them (as a
+            # global forward hook would): what a module's output hook sends -- a tensor-parallel
+            # style's reduction of the module's output -- counts for that module
+            self._exit_hooks[id(module)] = module.register_forward_hook(self._post_forward,
+                                                                        always_call=True)
 
     def _post_forward(self, module, args, output):
         if self._module_stack:
             self._module_stack.pop()
 
     def __enter__(self):
-        self._hooks = [
-            torch.nn.modules.module.register_module_forward_pre_hook(self._pre_forward),
-            torch.nn.modules.module.register_module_forward_hook(self._post_forward),
-        ]
+        self._hooks = [torch.nn.modules.module.register_module_forward_pre_hook(self._pre_forward)]
+        self._exit_hooks = {}
         _ACTIVE.append(self)
         return self
 
     def __exit__(self, *exc):
         _ACTIVE.remove(self)
-        for h in self._hooks:
+        for h in [*self._hooks, *self._exit_hooks.values()]:
             h.remove()
         self._hooks = []
+        self._exit_hooks = {}
         return False

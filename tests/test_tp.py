@@ -111,23 +111,30 @@ def test_llama_tp_collectives_per_layer(sp):
         model(inputs)
     per_module = comm.get_per_module_comm_counts()
     n = CFG.n_layers
-    # forward hooks run after CommDebugMode's own post-forward hook, so a collective issued by an
-    # output hook (e.g. wo's reduction) counts for the parent module (attention), not for wo
+    # a collective issued by a module's output hook (the row-wise reduction) counts for that
+    # module: CommDebugMode closes a module after its own forward hooks
     if not sp:  # one all-reduce per row-wise output, nothing else inside the blocks
         assert comm.get_comm_counts() == {"all_reduce": 2 * n + 1, "all_gather": 1}
         for i in range(n):
             assert per_module[f"Llama.layers.{i}"] == {"all_reduce": 2}
             assert per_module[f"Llama.layers.{i}.attention"] == {"all_reduce": 1}
+            assert per_module[f"Llama.layers.{i}.attention.wo"] == {"all_reduce": 1}
             assert per_module[f"Llama.layers.{i}.feed_forward"] == {"all_reduce": 1}
+            assert per_module[f"Llama.layers.{i}.feed_forward.w2"] == {"all_reduce": 1}
+        assert per_module["Llama.tok_embeddings"] == {"all_reduce": 1}  # vocab-parallel sum
+        assert per_module["Llama.output"] == {"all_gather": 1}          # the logits
     else:  # per attention / MLP: all-gather the sequence in, reduce-scatter the sum out
         assert comm.get_comm_counts() == {"reduce_scatter": 2 * n + 1, "all_gather": 2 * n + 2}
         for i in range(n):
             pair = {"all_gather": 1, "reduce_scatter": 1}
             assert per_module[f"Llama.layers.{i}"] == {"all_gather": 2, "reduce_scatter": 2}
             assert per_module[f"Llama.layers.{i}.attention"] == pair
+            assert per_module[f"Llama.layers.{i}.attention.wo"] == {"reduce_scatter": 1}
             assert per_module[f"Llama.layers.{i}.feed_forward"] == pair
+            assert per_module[f"Llama.layers.{i}.feed_forward.w2"] == {"reduce_scatter": 1}
             assert f"Llama.layers.{i}.attention_norm" not in per_module
-        assert per_module["Llama.output"] == {"all_gather": 1}  # the sequence, before the matmul
+        assert per_module["Llama.tok_embeddings"] == {"reduce_scatter": 1}
+        assert per_module["Llama.output"] == {"all_gather": 2}  # the sequence in, the logits out
     for i in range(n):
         for name in ("wq", "wk", "wv"):  # column-parallel stages never communicate forward
             assert f"Llama.layers.{i}.attention.{name}" not in per_module
