@@ -7,6 +7,10 @@ redistribute the inputs that differ, run the op on local pieces and wrap the res
 
 A cache hit does only what cannot be cached: walk the arguments once to build the key and collect
 the local tensors, run the local op, and build the output wrappers.
+
+Python numbers are in the key by type and value (they can change dtype promotion and some
+rules), except for ops registered with ``scalars_by_sign`` (foreach and fused optimizer ops):
+there only their type and sign are, so an optimizer's per-step scalars reuse one decision.
 """
 from __future__ import annotations
 
@@ -24,6 +28,7 @@ from .spec import DTensorSpec, TensorMeta
 __all__ = ["dispatch"]
 
 _DECISIONS: dict = _caches.register_decisions({})
+_SIGN_KEYED = _registry.SIGN_KEYED
 _NUMBER_TYPES = (int, float, bool, complex)
 
 
@@ -52,30 +57,52 @@ def _key(a, dts: list):
     return a
 
 
+def _signed(a, dts: list):
+    """Like :func:`_key`, but an int / float stands for its type and sign class only."""
+    t = type(a)
+    if t is float or t is int:
+        return (t, (a > 0) - (a < 0) if a == a else 2)  # 2: NaN
+    if t is list or t is tuple:
+        return (t, tuple([_signed(x, dts) for x in a]))
+    return _key(a, dts)
+
+
+_BY_SIGN = object()  # marks sign-class keys: never equal to a by-value key of the same op
+
+
 def dispatch(op, args, kwargs):
     # The hot path: one pass over the args builds the key and collects the DTensors. Specs are
     # interned, so hashing the key never calls back into Python.
     dts: list = []
-    key = [id(op)]  # OpOverload.__hash__ is a Python method; op objects live forever, ids are stable
-    for a in args:
-        t = type(a)
-        if t is DTensor:
-            dts.append(a)
-            key.append(a._spec)
-        elif t in _NUMBER_TYPES:
-            key.append(t)  # 1, 1.0 and True promote differently: the type is part of the key
-            key.append(a)
-        else:
-            key.append(_key(a, dts))
-    if kwargs:
-        key.append(tuple([(k, _key(v, dts)) for k, v in kwargs.items()]))
+    opid = id(op)  # OpOverload.__hash__ is a Python method; op objects live forever, ids are stable
+    by_sign = opid in _SIGN_KEYED
+    if by_sign:  # foreach / fused optimizer ops: the rule promised to read signs only
+        key = [opid, _BY_SIGN]
+        key += [_signed(a, dts) for a in args]
+        if kwargs:
+            key.append(tuple([(k, _signed(v, dts)) for k, v in kwargs.items()]))
     else:
+        key = [opid]
+        for a in args:
+            t = type(a)
+            if t is DTensor:
+                dts.append(a)
+                key.append(a._spec)
+            elif t in _NUMBER_TYPES:
+                key.append(t)  # 1, 1.0 and True promote differently: the type is part of the key
+                key.append(a)
+            else:
+                key.append(_key(a, dts))
+        if kwargs:
+            key.append(tuple([(k, _key(v, dts)) for k, v in kwargs.items()]))
+    if not kwargs:
         kwargs = _EMPTY
     key = tuple(key)
     d = _DECISIONS.get(key)
     if d is None:
         d = _decide(op, args, kwargs, dts)
-        _DECISIONS[key] = d
+        if not by_sign or opid in _SIGN_KEYED:  # else the rule withdrew its promise: not cached
+            _DECISIONS[key] = d                 # here, the next call keys it by value
         return d.run(args, kwargs, dts, validate=True)
     if not d.fast:
         return d.run(args, kwargs, dts)

@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 
 from . import _caches
 from .dtensor import DTensor
-from .ops._registry import RULES, _overloads
+from .ops._registry import _overloads, set_rule
 from .placements import Placement
 from .spec import DTensorSpec
 
@@ -49,7 +49,7 @@ def register_sharding(op):
         rule.__name__ = f"user_rule_{getattr(fn, '__name__', 'fn')}"
         for o in ops:
             for overload in _overloads(o):
-                RULES[overload] = rule
+                set_rule(overload, rule)  # a user rule may read any value: cache by value
         _caches.clear_decisions()  # decisions made under the old rule must not be reused
         return fn
 

@@ -244,6 +244,105 @@ def test_foreach_norm_is_one_batched_all_reduce_per_mesh_dim():
                                torch.linalg.vector_norm(full[0].double()))
 
 
+def _decisions():
+    from dtensor_lite import _dispatch
+    return len(_dispatch._DECISIONS)
+
+
+@distributed(world_size=4)
+def test_changing_scalars_in_foreach_ops_reuse_one_decision():
+    """AdamW passes new Python scalars every step (bias corrections, as floats and ScalarLists):
+    foreach ops cache their decision by the scalars' type and sign, so a new value is a cache hit
+    -- with the values of this call, and a new decision where a sign changes the placements."""
+    mesh = _mesh()
+    shapes = [s for s, _ in PARAMS]
+    full, dts = _lists(mesh, [pl for _, pl in PARAMS], shapes, 5)
+    _, others = _lists(mesh, [pl for _, pl in PARAMS], shapes, 6)
+    others = [o.abs() + 0.5 for o in others]
+    plain = [t.clone() for t in full]
+    plain_others = [o.full_tensor() for o in others]
+    for step in range(4):
+        c = 1.0 + 0.1 * step
+        cs = [c + 0.01 * k for k in range(len(dts))]
+        torch._foreach_mul_(dts, c)
+        torch._foreach_mul_(plain, c)
+        torch._foreach_div_(dts, cs)
+        torch._foreach_div_(plain, cs)
+        torch._foreach_addcdiv_(dts, others, others, [-x for x in cs])
+        torch._foreach_addcdiv_(plain, plain_others, plain_others, [-x for x in cs])
+        torch._foreach_lerp_(dts, others, 0.1 / c)
+        torch._foreach_lerp_(plain, plain_others, 0.1 / c)
+        if step == 0:
+            after_first = _decisions()
+        _close_lists(dts, plain)
+    assert _decisions() == after_first
+
+    # a whole AdamW (foreach) run: after the first step, no step adds a decision
+    torch.manual_seed(0)
+    ref_params, params = _params(mesh)
+    ref, opt = (torch.optim.AdamW(p, lr=0.01, weight_decay=0.1, foreach=True)
+                for p in (ref_params, params))
+    for step in range(4):
+        _set_grads(ref_params, params, mesh)
+        ref.step()
+        opt.step()
+        if step == 1:  # step 0 takes other branches (fresh state)
+            after = _decisions()
+    assert _decisions() == after
+    for p, d in zip(ref_params, params):
+        torch.testing.assert_close(d.full_tensor(), p.detach())
+
+    # the sign still matters: a factor's sign decides whether Partial(max) stays max or turns min,
+    # and dividing by zero does not keep it
+    rep = [distribute_tensor(t, mesh, [Replicate(), Replicate()]) for t in full[:2]]
+    pmax = [r.redistribute(mesh, [Partial("max"), Replicate()]) for r in rep]
+    for c, kept in ((2.0, Partial("max")), (3.0, Partial("max")), (-2.0, Partial("min")),
+                    (-0.5, Partial("min")), (0.0, Partial("max"))):
+        out = torch._foreach_mul(pmax, c)
+        assert all(o.placements == (kept, Replicate()) for o in out), (c, out[0].placements)
+        _close_lists(out, [t * c for t in full[:2]])
+    for c in (2.0, 0.0, -0.0, float("nan"), 5.0, float("inf")):
+        out = torch._foreach_div(pmax, c)
+        assert all(o.placements[0].is_partial() == (c != 0) for o in out), (c, out[0].placements)
+        for o, t in zip(out, full[:2]):
+            torch.testing.assert_close(o.full_tensor(), t / c, equal_nan=True)
+
+
+@distributed(world_size=4)
+def test_foreach_ops_key_by_value_when_the_element_rule_may_read_values():
+    """A user rule for the per-element op may look at any value: then the foreach op's
+    decisions are cached by value again (and the user rule sees every value)."""
+    from dtensor_lite import register_sharding
+    from dtensor_lite._caches import clear_decisions
+    from dtensor_lite.ops import _registry
+    from dtensor_lite.ops.foreach import foreach_rule
+
+    aten = torch.ops.aten
+    foreach_op, elem_op = aten._foreach_mul.Scalar, aten.mul.Scalar
+    old_rule = _registry.get_rule(elem_op)
+    seen = []
+    mesh = _mesh()
+    full, dts = _lists(mesh, [[Shard(0), Replicate()]] * 2, [(4, 3), (6,)], 7)
+    try:
+        @register_sharding(elem_op)
+        def rule(x, other):
+            seen.append(other)  # a rule that looks at the magnitude: sharded above 2 only
+            placement = Shard(0) if other > 2 else Replicate()
+            return [([placement], [placement, None])]
+        assert id(elem_op) not in _registry.SIGN_KEYED
+        for c in (1.0, 3.0, 1.5, 3.0):
+            out = torch._foreach_mul(dts, c)
+            want = (Shard(0), Shard(0)) if c > 2 else (Replicate(), Replicate())
+            assert all(o.placements == want for o in out), (c, out[0].placements)
+            _close_lists(out, [t * c for t in full])
+        assert sorted(set(seen)) == [1.0, 1.5, 3.0]
+        assert id(foreach_op) not in _registry.SIGN_KEYED
+    finally:
+        _registry.set_rule(elem_op, old_rule)
+        _registry.set_rule(foreach_op, foreach_rule, scalars_by_sign=True)
+        clear_decisions()
+
+
 def _grad_setup(mesh, grad_partial):
     torch.manual_seed(0)
     plain, dist_ = _params(mesh)

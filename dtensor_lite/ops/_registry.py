@@ -24,7 +24,8 @@ import torch
 
 from ..spec import DTensorSpec
 
-__all__ = ["OpCall", "FullStrategy", "Decompose", "register_rule", "get_rule", "RULES"]
+__all__ = ["OpCall", "FullStrategy", "Decompose", "register_rule", "set_rule", "get_rule",
+           "key_scalars_by_value", "RULES", "SIGN_KEYED"]
 
 RULES: dict = {}
 
@@ -69,14 +70,44 @@ class Decompose:
     fn: Callable
 
 
-def register_rule(*ops):
-    """Decorator: register ``rule`` for each aten op overload (or every overload of a packet)."""
+# ids of the ops whose decisions the dispatcher caches by the *sign* of their Python number
+# arguments, not their values (see register_rule). Ids, as in the dispatcher's keys: op objects
+# live forever and OpOverload.__hash__ is a Python method.
+SIGN_KEYED: set = set()
+
+
+def register_rule(*ops, scalars_by_sign: bool = False):
+    """Decorator: register ``rule`` for each aten op overload (or every overload of a packet).
+
+    ``scalars_by_sign=True`` promises that the decision the rule leads to -- placements, whether
+    to decompose, the output metadata -- depends on the op's int / float arguments only through
+    their type and sign (positive, negative, zero, NaN), and that any ``local_fn`` or
+    decomposition reads the values from the arguments it is called with. The dispatcher then
+    reuses one decision for every value of a sign: an optimizer's per-step scalars (AdamW's
+    bias corrections) hit the cache instead of deciding again, and the cache stops growing.
+    A rule that finds out it cannot keep the promise (e.g. a foreach op whose per-element rule
+    reads values) calls :func:`key_scalars_by_value`."""
     def deco(rule):
         for op in ops:
             for overload in _overloads(op):
-                RULES[overload] = rule
+                set_rule(overload, rule, scalars_by_sign)
         return rule
     return deco
+
+
+def set_rule(overload, rule, scalars_by_sign: bool = False):
+    """Register ``rule`` for one overload (what :func:`register_rule` and the public
+    ``register_sharding`` do per overload)."""
+    RULES[overload] = rule
+    if scalars_by_sign:
+        SIGN_KEYED.add(id(overload))
+    else:
+        SIGN_KEYED.discard(id(overload))
+
+
+def key_scalars_by_value(op):
+    """From now on, cache ``op``'s decisions by the values of its number arguments."""
+    SIGN_KEYED.discard(id(op))
 
 
 def _overloads(op):

@@ -20,7 +20,9 @@ import torch
 from .. import collectives as C
 from ..placements import Replicate
 from ..spec import DTensorSpec
-from ._registry import Decompose, FullStrategy, OpCall, get_rule, register_rule
+from ._registry import (Decompose, FullStrategy, OpCall, get_rule, key_scalars_by_value,
+                        register_rule)
+from .pointwise import reads_number_signs_only
 
 aten = torch.ops.aten
 
@@ -188,6 +190,8 @@ def foreach_rule(call: OpCall):
             f"{call.op}: dtensor_lite found no single-tensor op with a sharding rule to run per "
             "list element; run the op per tensor instead, or register a rule for it")
     elem_op, elem_inplace = elem
+    if not reads_number_signs_only(elem_op):
+        key_scalars_by_value(call.op)  # the element rule may read values: so must the cache
     from .._dispatch import _expand  # the dispatcher imports this package: import lazily
     s_args, s_kwargs = _slotted(call.args, call.kwargs)
     n = _list_length(s_args, info)
@@ -469,12 +473,16 @@ def _register_all():
         for ov in packet.overloads():
             overload = getattr(packet, ov)
             if not any(a.is_out for a in overload._schema.arguments):
-                register_rule(overload)(foreach_rule)
+                # per-element rules see numbers by sign only (pointwise), or the rule decomposes
+                # into ops that read the runtime values: cache by sign (foreach_rule withdraws
+                # this for an element rule that reads values)
+                register_rule(overload, scalars_by_sign=True)(foreach_rule)
     for name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"):
         packet = getattr(aten, name, None)
         if packet is not None:
             for ov in packet.overloads():
-                register_rule(getattr(packet, ov))(fused_optimizer_rule)
+                # lr, betas, eps, ...: passed through to the kernel, never read by the rule
+                register_rule(getattr(packet, ov), scalars_by_sign=True)(fused_optimizer_rule)
 
 
 _register_all()

@@ -24,13 +24,13 @@ import torch
 
 from ..placements import Partial, Replicate, Shard
 from ..spec import DTensorSpec
-from ._registry import Decompose, FullStrategy, register_rule
+from ._registry import Decompose, FullStrategy, get_rule, register_rule
 
 aten = torch.ops.aten
 R = Replicate()
 
 __all__ = ["pointwise_strategies", "choose", "mutated_input", "input_locations",
-           "with_scalar_zeroing", "POINTWISE_OPS"]
+           "with_scalar_zeroing", "reads_number_signs_only", "POINTWISE_OPS"]
 
 _FLIP = {"sum": "sum", "avg": "avg", "max": "min", "min": "max"}
 _NUMBER = (int, float, bool, complex)
@@ -417,6 +417,18 @@ def _to_copy_on_device(call):
         kwargs.pop("device")
         return aten._to_copy.default(x, *args, **kwargs)
     return Decompose(run)
+
+
+# ops whose rule compares number arguments with each other (threshold: v <= t), not with zero
+_READS_VALUES = {"threshold"}
+
+
+def reads_number_signs_only(op) -> bool:
+    """Whether ``op``'s rule (when it is ``pointwise_rule``) looks at its int / float arguments
+    only through their sign: ``alpha``'s sign for add/sub, a factor's sign and zero-ness for
+    mul/div, slopes for leaky_relu/elu; additive scalars are zeroed by a ``local_fn`` that reads
+    the runtime values. The foreach rule relies on this to cache by sign (see register_rule)."""
+    return get_rule(op) is pointwise_rule and _base(op) not in _READS_VALUES
 
 
 def pointwise_rule(call):
