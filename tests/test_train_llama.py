@@ -107,10 +107,10 @@ def _full_state_round_trip(mesh_text):
     import torch.distributed as dist
 
     from dtensor_lite import init_device_mesh
-    from dtensor_lite.state_dict import get_state_dict, set_state_dict
+    from dtensor_lite.state_dict import get_state_dict, set_model_state_dict, set_state_dict
     from examples.llama import Llama
-    from examples.train_llama import (_dp_rank, build, corpus_tokens, dp_names, global_batch,
-                                      parse_mesh, train_step)
+    from examples.train_llama import (_dp_rank, build, corpus_tokens, global_batch, parse_mesh,
+                                      train_step)
 
     cfg = _cfg(mesh_text, steps=3)
     sizes = parse_mesh(cfg.mesh, dist.get_world_size())
@@ -140,10 +140,14 @@ def _full_state_round_trip(mesh_text):
         for key in ("exp_avg", "exp_avg_sq"):
             assert torch.equal(fresh_opt.state[q][key].full_tensor(),
                                opt.state[p][key].full_tensor()), (name, key)
-    assert dp_names(sizes)
+    # and plain torch's own state dict loads straight into the sharded model
+    set_model_state_dict(fresh, ref.state_dict(), full_state_dict=True)
+    for (name, p), p_ref in zip(fresh.named_parameters(), ref.parameters()):
+        assert torch.equal(p.full_tensor(), p_ref), name
     return True
 
 
-def test_full_state_dict_3d_hsdp_tp():
-    assert all(run_distributed(8, _full_state_round_trip, "dp_replicate=2,dp_shard=2,tp=2",
-                               timeout=300))
+@pytest.mark.parametrize("world,mesh", [(4, "dp_shard=2,tp=2"),
+                                        (8, "dp_replicate=2,dp_shard=2,tp=2")])
+def test_full_state_dict_round_trip(world, mesh):
+    assert all(run_distributed(world, _full_state_round_trip, mesh, timeout=300))
