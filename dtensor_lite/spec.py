@@ -121,6 +121,7 @@ def _default_orders(placements: tuple, ndim: int):
 
 
 _INTERNED: dict = _caches.register({})
+_AS_GIVEN: dict = _caches.register({})  # DTensorSpec(...)'s arguments as given -> the spec
 
 
 class DTensorSpec:
@@ -138,8 +139,23 @@ class DTensorSpec:
 
     def __new__(cls, mesh: DeviceMesh, placements: Sequence[Placement], tensor_meta: TensorMeta,
                 shard_order: tuple | None = None):
-        ndim = len(tensor_meta.shape)
         placements = tuple(placements)
+        # the spec is a pure function of the arguments (and the mesh object): look them up as
+        # given before canonicalising (from_local and autograd's backward build specs per call)
+        given = (id(mesh), placements, tensor_meta, shard_order)
+        try:
+            spec = _AS_GIVEN.get(given)
+        except TypeError:  # a shard_order spelled with lists: not hashable, canonicalise
+            given = spec = None
+        if spec is None:
+            spec = cls._canonical(mesh, placements, tensor_meta, shard_order)
+            if given is not None:
+                _AS_GIVEN[given] = spec  # the spec holds the mesh: its id stays unique
+        return spec
+
+    @classmethod
+    def _canonical(cls, mesh, placements: tuple, tensor_meta, shard_order):
+        ndim = len(tensor_meta.shape)
         if shard_order is None and any(type(p) is _StridedShard for p in placements):
             shard_order = _orders_from_placements(placements, mesh.shape, ndim)
         placements = tuple(Shard(p.dim) if type(p) is _StridedShard else p for p in placements)
