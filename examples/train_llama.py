@@ -132,15 +132,15 @@ def uses_loss_parallel(cfg: TrainConfig, sizes) -> bool:
 
 def train_step(model, opt, inputs, targets, loss_parallel_on: bool) -> torch.Tensor:
     """One AdamW step; returns this rank's loss (a plain 0-d tensor, detached)."""
+    logits = model(inputs)
     if loss_parallel_on:
+        # only the loss needs the context (a torch-function mode: every call inside it pays)
         with loss_parallel():
-            loss = loss_fn(model(inputs), targets)
-            loss.backward()
+            loss = loss_fn(logits, targets)
         local = loss.to_local()
     else:
-        loss = loss_fn(model(inputs), targets)
-        loss.backward()
-        local = loss
+        loss = local = loss_fn(logits, targets)
+    loss.backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
     return local.detach()
