@@ -28,11 +28,8 @@ FAMILIES = {
                "new_ones"],
     "nn": ["nn.functional.embedding", "nn.functional.layer_norm", "nn.functional.rms_norm",
            "softmax", "log_softmax", "nn.functional.cross_entropy", "nn.functional.nll_loss",
-           "nn.functional.mse_loss", "nn.functional.conv1d",
-           "nn.functional.scaled_dot_product_attention"],
-    # nn.functional.conv2d is left out: some of its OpInfo samples (grouped convs with sharded
-    # channels) make ranks diverge and the family times out; conv2d is covered by
-    # tests/test_ops_nn.py (batch-, channel- and Partial-sharded, forward and backward).
+           "nn.functional.mse_loss", "nn.functional.conv1d", "nn.functional.conv2d",
+           "nn.functional.conv_transpose1d", "nn.functional.scaled_dot_product_attention"],
 }
 
 # Ops of the families above that are knowingly not (fully) supported, and why.

@@ -308,6 +308,70 @@ def test_conv1d_conv2d():
 
 
 @distributed(world_size=4)
+def test_conv_channel_sharded_with_empty_pieces():
+    # 3 channels on 4 ranks: one rank holds no input channels (torch's conv gives that a wrong
+    # shape; it must contribute just its share of the bias to the Partial sum) or no out-channels
+    mesh1, mesh2 = _meshes()
+    x, w, b = _rand(2, 3, 5, 5), _rand(3, 3, 3, 3, seed=1), _rand(3, seed=2)
+    conv = lambda x, w, b: F.conv2d(x, w, b, padding=1)  # noqa: E731
+    for pl in [([Shard(1)], [Shard(1)], [Shard(0)]), ([Shard(1)], [Shard(0)], [Shard(0)]),
+               ([Shard(1)], [Shard(1)], [Partial()])]:
+        check(conv, [x, w, b], list(pl), mesh1)
+    check(conv, [x, w, b], [[Shard(1), Shard(1)], [Shard(0), Shard(0)], [Shard(0), Shard(0)]],
+          mesh2)
+    # unbatched input (F.conv2d unsqueezes it): its channel dim is dim 0
+    check(lambda x, w, b: F.conv2d(x, w, b, stride=2, padding=2), [x[0], w, b],
+          [[Shard(0), Shard(0)], [Shard(0), Shard(0)], [Shard(0), Shard(0)]], mesh2)
+    xt, wt = _rand(2, 3, 7), _rand(3, 2, 3, seed=3)  # transposed: weight is [in, out, k]
+    for px, pw in (([Shard(1)], [Shard(0)]), ([R], [Shard(1)])):
+        check(lambda x, w: F.conv_transpose1d(x, w, stride=2), [xt, wt], [px, pw], mesh1)
+
+
+@distributed(world_size=4)
+def test_grouped_conv_channel_sharded():
+    mesh1, mesh2 = _meshes()
+    # groups of 2 in-channels / 2 out-channels, one group per rank: group-parallel, no comm
+    x, w, b = _rand(3, 8, 9), _rand(8, 2, 3, seed=1), _rand(8, seed=2)
+    conv = lambda x, w, b: F.conv1d(x, w, b, padding=1, groups=4)  # noqa: E731
+    dx, dw, db = _dist(x, mesh1, [Shard(1)]), _dist(w, mesh1, [Shard(0)]), _dist(b, mesh1, [Shard(0)])
+    grad = distribute_tensor(_rand(3, 8, 9, seed=3), mesh1, [Shard(1)])
+    with CommDebugMode() as comm:
+        y = conv(dx, dw, db)
+        y.backward(grad)
+    assert comm.get_total_counts() == 0
+    assert y.placements == (Shard(1),) and dw.grad.placements == (Shard(0),)
+    for mesh, pls in ((mesh1, [([Shard(1)], [Shard(0)], [Shard(0)]),
+                               ([Shard(1)], [R], [R]), ([R], [Shard(0)], [R]),
+                               ([Shard(1)], [Shard(1)], [Shard(0)])]),
+                      (mesh2, [([Shard(0), Shard(1)], [R, Shard(0)], [R, Shard(0)]),
+                               ([Shard(1), Shard(1)], [Shard(0), Shard(0)], [R, R]),
+                               ([Shard(1), R], [R, Shard(0)], [Shard(0), R])])):
+        for pl in pls:
+            check(conv, [x, w, b], list(pl), mesh)
+    # chunks that cut through groups (6 channels in groups of 3, split 2,2,2,0): the channels are
+    # replicated instead, on every rank alike
+    x6, w6, b6 = _rand(3, 6, 9), _rand(6, 3, 3, seed=4), _rand(6, seed=5)
+    conv6 = lambda x, w, b: F.conv1d(x, w, b, groups=2)  # noqa: E731
+    for pl in (([Shard(1)], [Shard(0)], [Shard(0)]), ([Shard(1)], [Shard(1)], [R])):
+        check(conv6, [x6, w6, b6], list(pl), mesh1)
+    for pl in (([Shard(1), Shard(1)], [Shard(0), Shard(0)], [R, R]),
+               ([Shard(1), R], [Shard(0), R], [Shard(0), R])):  # 3 and 3: whole groups
+        check(conv6, [x6, w6, b6], list(pl), mesh2)
+    # whole groups with an empty piece: 3 groups of 2 in / 1 out channel, split 1,1,1,0
+    w3 = _rand(3, 2, 3, seed=6)
+    check(lambda x, w: F.conv1d(x, w, groups=3), [x6, w3], [[Shard(1)], [Shard(0)]], mesh1)
+    # transposed, grouped: weight [in, out / groups, k]; 4 in, 6 out channels in 2 groups
+    xt, wt, bt = _rand(3, 4, 5), _rand(4, 3, 3, seed=7), _rand(6, seed=8)
+    convt = lambda x, w, b: F.conv_transpose1d(x, w, b, stride=2, groups=2)  # noqa: E731
+    check(convt, [xt, wt, bt], [[Shard(1)], [Shard(0)], [Shard(0)]], mesh1)  # 1 per rank: cut
+    check(convt, [xt, wt, bt], [[R, Shard(1)], [R, Shard(0)], [R, Shard(0)]], mesh2)  # whole
+    dx, dw = _dist(xt, mesh2, [R, Shard(1)]), _dist(wt, mesh2, [R, Shard(0)])
+    with CommDebugMode() as comm:
+        y = convt(dx, dw, _dist(bt, mesh2, [R, Shard(0)]))
+    assert comm.get_total_counts() == 0 and y.placements == (R, Shard(1))
+
+
+@distributed(world_size=4)
 def test_batch_sharded_conv_does_not_communicate():
     mesh = init_device_mesh("cpu", (4,))
     x = _dist(_rand(8, 3, 10), mesh, [Shard(0)])

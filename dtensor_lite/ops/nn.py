@@ -23,6 +23,7 @@ are shared with ``loss.py`` and ``attention.py``.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 
@@ -320,6 +321,16 @@ def _sharded_softmax_backward(grad, out, dim, input_dtype, *, log, mesh, mesh_di
 
 
 # ----------------------------------------------------------------------------- convolution
+# Every decision here reads global metadata only (shapes, placements, the mesh): a rank's own piece
+# may be empty or short, and a rule that looked at it could send ranks down different paths (one
+# redistributing, one not) and hang them in mismatched collectives.
+#
+# Channel sharding with groups > 1: a rank can run its piece of a grouped conv on its own only if
+# it holds whole groups -- the same groups -- of the input channels, the weight's dim 0 (out
+# channels, or in channels of a transposed conv; both group-major) and the output channels. Then
+# the local conv runs with fewer groups ("group-parallel"). Whether every rank's chunk lines up
+# with groups is worked out for all mesh coordinates at once; where some chunk cuts a group, the
+# strategy is dropped and the channels are replicated instead, on every rank alike.
 def _conv_channel_dims(call):
     """(out-channel dim, in-channel dim) of the weight; transposed convs store [in, out, ...]."""
     return (1, 0) if arg(call, "transposed") else (0, 1)
@@ -328,58 +339,144 @@ def _conv_channel_dims(call):
 @register_rule(aten.convolution.default)
 def _convolution(call):
     w_out, w_in = _conv_channel_dims(call)
+    groups = arg(call, "groups")
     strategies = [strategy(call, R), strategy(call, Shard(0), input=Shard(0))]
     for op in LINEAR_PARTIALS:  # linear in the input and in the weight (bias added once)
         strategies.append(strategy(call, Partial(op), input=Partial(op), bias=Partial(op)))
         strategies.append(strategy(call, Partial(op), weight=Partial(op), bias=Partial(op)))
-    if arg(call, "groups") == 1:  # with groups, a channel chunk does not line up with groups
+    if groups == 1:
         strategies.append(strategy(call, Shard(1), weight=Shard(w_out), bias=Shard(0)))
         strategies.append(strategy(call, P, input=Shard(1), weight=Shard(w_in), bias=P))
-    return _with_out_channel_fn(call, choose(call, strategies), w_out, _conv_local)
-
-
-def _with_out_channel_fn(call, full, w_out, local_fn):
-    """Out-channel-sharded weights need local care (bias sizes, empty shards); others don't."""
-    wspec = target_spec(call, full, input_names(call).index("weight"))
-    if sharding_mesh_dims(wspec.placements, w_out):
-        full.local_fn = functools.partial(local_fn, w_out=w_out)
-    return full
-
-
-def _conv_local(input, weight, bias, stride, padding, dilation, transposed, output_padding,
-                groups, *, w_out):
-    rest = (stride, padding, dilation, transposed, output_padding, groups)
-    if weight.shape[w_out] == 0:  # an empty out-channel shard: torch rejects an empty weight
-        one = list(weight.shape)
-        one[w_out] = 1
-        return aten.convolution.default(input, weight.new_zeros(one), None, *rest)[:, :0]
-    return aten.convolution.default(input, weight, bias, *rest)
+        grouped = []
+    else:
+        grouped = [strategy(call, Shard(1), input=Shard(1), weight=Shard(0), bias=Shard(0))]
+    full = _choose_conv(call, strategies, grouped, out_channels=_out_channels(call))
+    return _with_conv_local_fn(call, full, w_out, _conv_local)
 
 
 @register_rule(aten.convolution_backward.default)
 def _convolution_backward(call):
     w_out, w_in = _conv_channel_dims(call)
+    groups = arg(call, "groups")
     strategies = [strategy(call, (R, R, R)),
                   strategy(call, (Shard(0), P, P), grad_output=Shard(0), input=Shard(0))]
     strategies += [strategy(call, (Partial(op),) * 3, grad_output=Partial(op))
                    for op in LINEAR_PARTIALS]
-    if arg(call, "groups") == 1:
+    if groups == 1:
         strategies.append(strategy(call, (P, Shard(w_out), Shard(0)), grad_output=Shard(1),
                                    weight=Shard(w_out)))
         strategies.append(strategy(call, (Shard(1), Shard(w_in), R), input=Shard(1),
                                    weight=Shard(w_in)))
-    return _with_out_channel_fn(call, choose(call, strategies), w_out, _conv_backward_local)
+        grouped = []
+    else:
+        grouped = [strategy(call, (Shard(1), Shard(0), Shard(0)), grad_output=Shard(1),
+                            input=Shard(1), weight=Shard(0))]
+    full = _choose_conv(call, strategies, grouped, out_channels=None)
+    return _with_conv_local_fn(call, full, w_out, _conv_backward_local)
+
+
+def _out_channels(call):
+    w = arg(call, "weight")
+    return w.shape[1] * arg(call, "groups") if arg(call, "transposed") else w.shape[0]
+
+
+def _choose_conv(call, strategies, grouped, out_channels):
+    """The cheapest strategy, group-parallel ones included only if every rank's chunks of the
+    channel dims hold the same whole groups (decided for all mesh coordinates, never locally)."""
+    if grouped:
+        full = choose(call, strategies + grouped)
+        if not _group_split(call, full) or _groups_line_up(call, full, out_channels):
+            return full
+    return choose(call, strategies)
+
+
+def _group_split(call, full) -> bool:
+    """Whether ``full`` shards the channels group-parallel (the weight's dim 0 is sharded)."""
+    if arg(call, "groups") == 1:
+        return False
+    wspec = target_spec(call, full, input_names(call).index("weight"))
+    return bool(sharding_mesh_dims(wspec.placements, 0))
+
+
+def _groups_line_up(call, full, out_channels) -> bool:
+    """Every mesh coordinate holds the same whole groups of every channel-sharded tensor."""
+    groups = arg(call, "groups")
+    names = input_names(call)
+    # (spec as the local op sees it, its channel dim) for each tensor split by groups
+    pieces = []
+    for name, dim in (("input", 1), ("weight", 0), ("grad_output", 1), ("bias", 0)):
+        if name in names:
+            pieces.append((target_spec(call, full, names.index(name)), dim))
+    if out_channels is not None:  # the forward's output: its channel chunks must line up too
+        x = arg(call, "input")
+        shape = (x.shape[0], out_channels) + tuple(x.shape[2:])
+        meta = TensorMeta(torch.Size(shape), tuple(range(len(shape))), x.dtype)
+        order = full.out_orders[0] if full.out_orders else None
+        if order is not None:
+            order = tuple(order) + ((),) * (len(shape) - len(order))
+        pieces.append((DTensorSpec(call.mesh, full.outs[0], meta, order), 1))
+    for coord in itertools.product(*(range(n) for n in call.mesh.shape)):
+        held = set()
+        for spec, dim in pieces:
+            per_group = spec.shape[dim] // groups
+            shape, offset = spec.local_shape_and_offset(coord)
+            if offset[dim] % per_group or shape[dim] % per_group:
+                return False
+            held.add((offset[dim] // per_group, shape[dim] // per_group))
+        if len(held) > 1:
+            return False
+    return True
+
+
+def _with_conv_local_fn(call, full, w_out, local_fn):
+    """Channel-sharded pieces need local care (empty pieces, local bias sizes, local groups)."""
+    names = input_names(call)
+    sharded = any(sharding_mesh_dims(target_spec(call, full, j).placements, d)
+                  for j, name in enumerate(names) if name in ("input", "weight", "grad_output")
+                  for d in (0, 1))
+    if sharded:
+        in_per_group = None
+        if _group_split(call, full):
+            in_per_group = arg(call, "input").shape[1] // arg(call, "groups")
+        full.local_fn = functools.partial(local_fn, w_out=w_out, in_per_group=in_per_group)
+    return full
+
+
+def _local_groups(input, groups, in_per_group):
+    """Groups of this rank's piece: all of them, or (group-parallel) those it holds."""
+    return groups if in_per_group is None else input.shape[1] // in_per_group
+
+
+def _conv_local(input, weight, bias, stride, padding, dilation, transposed, output_padding,
+                groups, *, w_out, in_per_group):
+    groups = _local_groups(input, groups, in_per_group)
+    n_out = weight.shape[1] * groups if transposed else weight.shape[0]
+    if n_out == 0 or input.shape[1] == 0:
+        # torch rejects an empty weight, and gives a wrong shape for empty input channels: run
+        # one zero channel (no out-channels here: keep none; no in-channels: just the bias)
+        x = input.new_zeros((input.shape[0], 1) + tuple(input.shape[2:]))
+        shape = list(weight.shape)
+        shape[1 - w_out] = 1  # the in-channel dim
+        shape[w_out] = max(n_out, 1)
+        out = aten.convolution.default(x, weight.new_zeros(shape), bias if n_out else None,
+                                       stride, padding, dilation, transposed, output_padding, 1)
+        return out[:, :n_out]
+    return aten.convolution.default(input, weight, bias, stride, padding, dilation, transposed,
+                                    output_padding, groups)
 
 
 def _conv_backward_local(grad, input, weight, bias_sizes, stride, padding, dilation, transposed,
-                         output_padding, groups, output_mask, *, w_out):
+                         output_padding, groups, output_mask, *, w_out, in_per_group):
+    groups = _local_groups(input, groups, in_per_group)
     # bias_sizes is global; the local bias grad has the local grad's channel count
     if bias_sizes is not None:
         bias_sizes = [grad.shape[1]]
-    if weight.shape[w_out] == 0:  # no out-channels here: nothing flows back through this rank
+    if weight.shape[w_out] == 0 or input.shape[1] == 0 or groups == 0:
+        # no out- or no in-channels here: torch's kernel rejects or mishandles (a zero bias grad)
+        # such pieces. Only the bias grad can be nonzero: the sum of the grad over all but channels
         return (torch.zeros_like(input) if output_mask[0] else None,
                 torch.zeros_like(weight) if output_mask[1] else None,
-                grad.new_zeros(bias_sizes) if output_mask[2] and bias_sizes else None)
+                grad.sum([d for d in range(grad.ndim) if d != 1]) if output_mask[2] else None)
     return aten.convolution_backward.default(grad, input, weight, bias_sizes, stride, padding,
                                              dilation, transposed, output_padding, groups,
                                              output_mask)
