@@ -251,7 +251,9 @@ def _reshape_strategy(call, out_shape, local_op):
         return FullStrategy(outs=[outs], ins=[None],
                             local_fn=lambda x, *a, **k: local_op(x, list(new)))
     groups = _view_groups(old, new)
-    seqs = {g: [i for k in og for i in spec.shard_order[k]]
+    # a shard of a size-1 dim (one rank holds it all) never lines up with a longer new dim: it
+    # is replicated up front, so the alignment search below does not give up good shards for it
+    seqs = {g: [i for k in og if old[k] != 1 for i in spec.shard_order[k]]
             for g, (og, ng) in enumerate(groups) if og and any(new[d] != 1 for d in ng)}
     while True:
         ins, outs, in_order, out_order = _assign_reshape(spec, old, new, groups, seqs)
