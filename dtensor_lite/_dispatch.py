@@ -16,6 +16,7 @@ from __future__ import annotations
 
 
 import torch
+from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_map
 
 from . import _caches
@@ -267,6 +268,8 @@ def _decide(op, args, kwargs, dts) -> _Decision:
     if not dts:  # only reachable through odd subclass paths: nothing distributed here
         raise RuntimeError(f"{op}: dispatched to DTensor without DTensor arguments")
     mesh = _mesh_of(op, dts)
+    if _INPLACE_VIEW in op.tags and _registry.get_rule(op) is None:
+        return _inplace_view_decision(op, args, kwargs, dts)
     if any(a.is_out for a in op._schema.arguments) and _registry.get_rule(op) is None:
         return _OutDecision(op)
     rule = _registry.get_rule(op)
@@ -384,14 +387,115 @@ class _OutDecision:
         return outs[0] if len(outs) == 1 else tuple(outs)
 
 
-def _functional_overload(op):
-    packet = getattr(torch.ops.aten, op._schema.name.split("::")[-1])
-    wanted = [a.name for a in op._schema.arguments if not a.is_out]
-    for name in packet.overloads():
-        cand = getattr(packet, name)
-        if not cand._schema.is_mutable and [a.name for a in cand._schema.arguments] == wanted:
-            return cand
+def _functional_overload(op, packet_name=None):
+    """The non-mutating overload of ``packet_name`` (default: the op's own packet) taking the op's
+    non-out arguments; where several take the same names (squeeze.dim / squeeze.dims), the one
+    whose types match too."""
+    packet = getattr(torch.ops.aten, packet_name or op._schema.name.split("::")[-1])
+    args = [a for a in op._schema.arguments if not a.is_out]
+    wanted = [a.name for a in args]
+    cands = [getattr(packet, name) for name in packet.overloads()]
+    cands = [c for c in cands if not c._schema.is_mutable and
+             [a.name for a in c._schema.arguments] == wanted]
+    typed = [c for c in cands if [str(a.type) for a in c._schema.arguments] ==
+             [str(a.type) for a in args]]
+    if typed or cands:
+        return (typed or cands)[0]
     raise _no_rule_error(op, [])
+
+
+# ------------------------------------------------------------------ in-place view ops
+_INPLACE_VIEW = torch.Tag.inplace_view
+
+
+def _inplace_view_decision(op, args, kwargs, dts):
+    """``t_``, ``transpose_``, ``squeeze_``, ``unsqueeze_`` (``swapdims_`` & co decompose into
+    these before dispatch): decided as the functional op, then applied to the DTensor itself."""
+    x = dts[0]
+    if op is torch.ops.aten.as_strided_.default:
+        size, stride = args[1], args[2]
+        offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
+        if tuple(size) == tuple(x.shape) and tuple(stride) == tuple(x.stride()) and \
+                offset in (None, x.storage_offset()):
+            return _DecomposeDecision(lambda self, *a, **k: self)  # changes nothing
+        raise UnsupportedOpError(
+            f"{op}: a DTensor cannot take arbitrary sizes/strides in place (placements "
+            f"{list(x.placements)}, shape {tuple(x.shape)} -> {tuple(size)}, stride "
+            f"{tuple(x.stride())} -> {tuple(stride)}): strides address one global storage that "
+            "no rank holds. Use view / reshape / permute / transpose (out of place), or "
+            "full_tensor() and as_strided on the plain tensor")
+    functional = _functional_overload(op, op._schema.name.split("::")[-1].rstrip("_"))
+    if _registry.get_rule(functional) is None:
+        raise _no_rule_error(op, dts)
+    inner = _decide(functional, args, kwargs, dts)
+    if not isinstance(inner, _Decision) or inner.out_kind != "tensor":
+        raise _no_rule_error(op, dts)
+    tgt, spec = inner.targets[0], x._spec
+    if tgt is not None and (any(
+            p != q and not (p.is_shard() and x.shape[p.dim] == 1 and q.is_replicate())
+            for p, q in zip(spec.placements, tgt.placements)) or any(
+            n != 1 and a != b for n, a, b in zip(x.shape, spec.shard_order, tgt.shard_order))):
+        # only the gather of a size-1 shard keeps every element where it was (see run())
+        raise RuntimeError(
+            f"{op} on a DTensor with placements {list(x.placements)} and shape "
+            f"{tuple(x.shape)} would need it redistributed to {list(tgt.placements)}, which an "
+            f"in-place view cannot do; use the out-of-place {functional} instead")
+    return _InplaceViewDecision(op, inner)
+
+
+class _InplaceViewDecision:
+    """Run the functional op's decision, then give its spec and local piece to the input DTensor
+    itself and change the wrapper's sizes and strides in place, as the op does to a plain tensor.
+
+    Each rank's piece keeps its storage, so views taken earlier still alias it: a piece that the
+    functional op only viewed takes the view's geometry in place. The one redistribution allowed
+    is squeezing a size-1 dim sharded over some mesh dims (squeeze goes by the *global* size):
+    that dim becomes Replicate, which the rank holding the element(s) already has -- it re-views
+    its own piece -- and the other ranks, whose pieces were empty, take the gathered copy."""
+
+    fast = False
+
+    def __init__(self, op, inner):
+        self.op = op
+        self.inner = inner
+
+    def run(self, args, kwargs, dts, validate=False):
+        x = dts[0]
+        old = x._local_tensor
+        new = self.inner.run(args, kwargs, dts, validate)._local_tensor
+        if _same_storage(old, new):
+            old.as_strided_(new.size(), new.stride(), new.storage_offset())
+        elif old.numel() == new.numel():
+            v = old.view(new.shape)
+            old.as_strided_(v.size(), v.stride(), v.storage_offset())
+        elif old.numel() == 0:
+            x._local_tensor = new
+        else:
+            raise RuntimeError(f"{self.op}: local piece of shape {tuple(old.shape)} cannot "
+                               f"become {tuple(new.shape)} in place (a bug in the rule)")
+        x._spec = self.inner.out_specs
+        _set_wrapper_meta(self.op, args, kwargs)
+        if validate and (tuple(x.shape) != tuple(x._spec.shape) or
+                         tuple(x.stride()) != tuple(x._spec.stride)):
+            raise RuntimeError(f"{self.op}: wrapper became {tuple(x.shape)}/{x.stride()} but the "
+                               f"spec says {x._spec.shape}/{x._spec.stride} (a bug)")
+        return x
+
+
+def _same_storage(a, b):
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+
+
+def _set_wrapper_meta(op, args, kwargs):
+    """Apply an in-place view op to the wrapper's own sizes/strides: its meta kernel, with
+    dispatch to subclasses off (what torch's return_and_correct_aliasing does for these ops)."""
+    with no_dispatch():
+        meta_in_tls = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            op(*args, **kwargs)
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
 
 
 def _out_spec(mesh, placements, meta: torch.Tensor, order):
