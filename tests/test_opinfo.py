@@ -34,9 +34,6 @@ FAMILIES = {
 
 # Ops of the families above that are knowingly not (fully) supported, and why.
 NOT_SUPPORTED: dict[str, str] = {
-    # 1-D @ N-D goes through the in-place view op squeeze_, which has no rule: an in-place view
-    # would have to change the DTensor wrapper's own shape. Every other matmul case passes.
-    "matmul": "1-D operand: aten.squeeze_ (in-place view) is unsupported",
     # OpInfo's SDPA samples (3-D inputs, differing value dims) take the math decomposition, which
     # builds a plain-tensor causal mask before dispatch: a DTensor/plain mix we refuse. 4-D
     # batch/head/sequence-sharded SDPA through the CPU flash kernel is covered by test_ops_nn.py.

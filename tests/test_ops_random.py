@@ -12,7 +12,6 @@ from dtensor_lite import (DTensor, Partial, Replicate, Shard, _StridedShard, dis
                           init_device_mesh)
 from dtensor_lite.debug import CommDebugMode
 from dtensor_lite.ops.random import manual_seed, set_rng_sync_mode, sync_rng_state
-from dtensor_lite.ops._registry import get_rule
 from tests.harness import distributed, run_distributed
 
 aten = torch.ops.aten
@@ -373,19 +372,21 @@ def test_first_random_op_checks_and_later_ops_do_not():
 
 
 def test_orthogonal_init_on_dtensor_parameters():
-    # orthogonal_ transposes in place (aten.t_): in-place view ops have no rule, because they
-    # would have to change the DTensor wrapper's own shape; until they do this is an expected
-    # failure, checked on the driver
-    if get_rule(aten.t_.default) is None:
-        pytest.xfail("aten.t_ (an in-place view op inside orthogonal_) has no sharding rule yet")
+    # orthogonal_ transposes in place (aten.t_) when rows < cols, which changes the DTensor's
+    # own shape and placements; the values must still be plain torch's under the same seed
     run_distributed(4, _orthogonal_body)
 
 
 def _orthogonal_body():
     mesh = init_device_mesh("cpu", (2, 2))
     sync_rng_state(mesh)
-    for shape, pl in [((5, 3), [Shard(0), Shard(1)]), ((3, 6), [Replicate(), Shard(0)])]:
+    # tall and wide (the wide ones go through t_), uneven shards, a 3-D weight (whose view_as
+    # to rows x cols must keep its shards: a view that gathers would be a copy)
+    for shape, pl in [((5, 3), [Shard(0), Shard(1)]), ((3, 6), [Replicate(), Shard(0)]),
+                      ((3, 7), [Shard(1), Shard(0)]), ((2, 3, 5), [Shard(0), Replicate()])]:
         w = nn.Parameter(distribute_tensor(torch.zeros(shape), mesh, pl))
         ref = nn.Parameter(torch.zeros(shape))
-        _same_as_plain(lambda: nn.init.orthogonal_(w), lambda: nn.init.orthogonal_(ref), 1)
-        torch.testing.assert_close(w.full_tensor(), ref.detach())
+        out, _ = _same_as_plain(lambda: nn.init.orthogonal_(w), lambda: nn.init.orthogonal_(ref),
+                                1)
+        assert out is w and w.shape == shape and w.placements == tuple(pl), (shape, pl)
+        torch.testing.assert_close(w.full_tensor(), ref.detach(), rtol=0, atol=0)
