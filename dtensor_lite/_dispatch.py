@@ -15,6 +15,8 @@ there only their type and sign are, so an optimizer's per-step scalars reuse one
 from __future__ import annotations
 
 
+import weakref
+
 import torch
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_map
@@ -70,6 +72,41 @@ def _signed(a, dts: list):
 
 _BY_SIGN = object()  # marks sign-class keys: never equal to a by-value key of the same op
 
+# Views that are not views: a view op (view, reshape's view, flatten, select, ...) whose input
+# had to be redistributed returns a DTensor over *new* local pieces, where plain torch returns an
+# alias. Writing into it in place would silently not reach the original, so in-place ops on
+# these (and on views of them) raise. Keyed by id (a WeakSet would compare tensors with ==), each
+# entry leaves when its DTensor dies; the hot path tests only whether the dict is empty.
+_COPIED_VIEWS: dict[int, weakref.ref] = {}
+
+
+def _add_copied_view(dt: DTensor):
+    key = id(dt)
+    _COPIED_VIEWS[key] = weakref.ref(dt, lambda _ref, key=key: _COPIED_VIEWS.pop(key, None))
+
+
+def _check_not_copied_view(d, dts):
+    """Called only while some copied view is alive: refuse writes into one, and let views of a
+    copied view inherit the mark (they alias the copy, not the original)."""
+    if d.mutated is not None and id(dts[d.mutated]) in _COPIED_VIEWS:
+        dt = dts[d.mutated]
+        raise RuntimeError(
+            f"{d.op} writes in place into a DTensor {tuple(dt.shape)} {list(dt.placements)} that "
+            "came out of a view op whose input had to be redistributed, so it holds a copy: plain "
+            "torch would write through to the viewed tensor, here the write would be lost. "
+            "Redistribute the input first so that the view moves no data (e.g. to a layout that "
+            "keeps the viewed dims whole), or .clone() the view if a separate tensor is meant")
+
+
+def _mark_if_copied_view(d, dts, out):
+    if torch._C._current_autograd_node() is not None:
+        return out  # made by backward (a gradient): nobody holds the "viewed" tensor to write to
+    if d.copies_view or (d.view_src is not None and id(dts[d.view_src]) in _COPIED_VIEWS):
+        for o in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(o, DTensor):
+                _add_copied_view(o)
+    return out
+
 
 def dispatch(op, args, kwargs):
     # The hot path: one pass over the args builds the key and collects the DTensors. Specs are
@@ -108,6 +145,8 @@ def dispatch(op, args, kwargs):
     if not d.fast:
         return d.run(args, kwargs, dts)
     # cache hit of the common shape: DTensors at top level, nothing to move
+    if _COPIED_VIEWS:
+        _check_not_copied_view(d, dts)
     largs = list(args)
     for pos, dt in zip(d.flat_positions, dts):
         largs[pos] = dt._local_tensor
@@ -119,6 +158,8 @@ def dispatch(op, args, kwargs):
                       device=out.device, layout=out.layout, requires_grad=False)
     r._local_tensor = out
     r._spec = spec
+    if _COPIED_VIEWS and d.view_src is not None:
+        _mark_if_copied_view(d, dts, r)
     return r
 
 
@@ -131,9 +172,12 @@ class _Decision:
     """What to do for one (op, input specs, non-tensor args) combination."""
 
     __slots__ = ("op", "targets", "out_specs", "out_kind", "local_fn", "flat_positions",
-                 "mutated", "needs_redistribute", "out_shape", "out_stride", "out_dtype", "fast")
+                 "mutated", "needs_redistribute", "out_shape", "out_stride", "out_dtype", "fast",
+                 "view_src", "copies_view")
 
     def run(self, args, kwargs, dts, validate=False):
+        if _COPIED_VIEWS:
+            _check_not_copied_view(self, dts)
         targets = self.targets
         if self.needs_redistribute:
             locals_ = [dt._local_tensor if tgt is None else _redistribute_local(dt, tgt)
@@ -153,7 +197,9 @@ class _Decision:
             out = self.local_fn(*largs, **lkwargs)
         if validate:
             _validate_outputs(self, out)
-        return self._wrap(out, dts)
+        if self.view_src is None:
+            return self._wrap(out, dts)
+        return _mark_if_copied_view(self, dts, self._wrap(out, dts))
 
     def _wrap(self, out, dts):
         kind = self.out_kind
@@ -312,6 +358,9 @@ def _decide(op, args, kwargs, dts) -> _Decision:
             "placements. Redistribute first or use the out-of-place op")
     d.targets = tuple(targets)
     d.needs_redistribute = any(t is not None for t in targets)
+    # a view op's output aliases its first input (``self``) in plain torch
+    d.view_src = 0 if op.is_view and isinstance(args[0] if args else None, DTensor) else None
+    d.copies_view = d.view_src is not None and targets[0] is not None
     outs = full.outs
     orders = full.out_orders or [None] * len(outs)
     d.out_shape = d.out_stride = d.out_dtype = None

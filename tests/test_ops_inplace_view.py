@@ -169,3 +169,58 @@ def test_as_strided_inplace_only_as_a_no_op():
     with pytest.raises(NotImplementedError, match=r"as_strided_.*view / reshape"):
         x.as_strided_((3, 5), (5, 1))
     assert x.shape == (5, 3) and x.placements == (Shard(0),)
+
+
+# ----------------------------------------------------------------------------- copied views
+@distributed(world_size=4, timeout=60)
+@pytest.mark.parametrize("write", ["mul_", "copy_", "view of view", "index_put"])
+def test_write_into_a_view_that_had_to_copy_raises(write):
+    """(5, 4) Shard(0) on 4 ranks holds rows 2, 2, 1, 0: view(-1) must move data, so its result
+    is a copy. Plain torch would write through; we refuse instead of losing the write."""
+    mesh = init_device_mesh("cpu", (4,))
+    full = torch.arange(20.).reshape(5, 4)
+    x = distribute_tensor(full, mesh, [Shard(0)])
+    y = x.view(-1)
+    torch.testing.assert_close(y.full_tensor(), full.view(-1))  # reading is fine
+    with pytest.raises(RuntimeError, match="had to be redistributed"):
+        if write == "mul_":
+            y.mul_(2)
+        elif write == "copy_":
+            y.copy_(distribute_tensor(torch.zeros(20), mesh, [Shard(0)]))
+        elif write == "view of view":
+            y[3:7].zero_()
+        else:
+            y[0] = 1.0
+    assert torch.equal(x.full_tensor(), full)
+    z = y.clone()                 # a separate tensor is meant: fine
+    z.mul_(2)
+    torch.testing.assert_close(z.full_tensor(), full.view(-1) * 2)
+
+
+@distributed(world_size=4, timeout=60)
+def test_write_into_a_view_that_aliases_reaches_the_original():
+    mesh = init_device_mesh("cpu", (2, 2))
+    full = torch.arange(24.).reshape(4, 6)
+    x = distribute_tensor(full, mesh, [Shard(0), Replicate()])
+    expected = full.clone()
+    x.view(2, 2, 6)[:, 1].mul_(10)    # keeps Shard(0): every piece is a real view
+    expected.view(2, 2, 6)[:, 1].mul_(10)
+    torch.testing.assert_close(x.full_tensor(), expected)
+
+
+@distributed(world_size=4, timeout=60)
+def test_gradients_through_copied_views_accumulate():
+    """Autograd's own writes (gradient accumulation into .grad) are not user writes into a view:
+    two backwards through a view that had to copy must sum, as in plain torch."""
+    mesh = init_device_mesh("cpu", (4,))
+    full = torch.arange(20.).reshape(5, 4)
+    w = distribute_tensor(full, mesh, [Shard(0)]).requires_grad_()
+    w_ref = full.clone().requires_grad_()
+    c = torch.linspace(-1, 1, 20)
+    for _ in range(2):
+        (w.view(-1) * distribute_tensor(c, mesh, [Shard(0)])).sum().backward()
+        (w_ref.view(-1) * c).sum().backward()
+    torch.testing.assert_close(w.grad.full_tensor(), w_ref.grad)
+    opt = torch.optim.SGD([w], lr=0.1)
+    opt.step()                     # in-place updates of the parameter and friends
+    torch.testing.assert_close(w.full_tensor(), full - 0.1 * w_ref.grad)
