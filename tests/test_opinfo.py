@@ -34,10 +34,6 @@ FAMILIES = {
 
 # Ops of the families above that are knowingly not (fully) supported, and why.
 NOT_SUPPORTED: dict[str, str] = {
-    # OpInfo's SDPA samples (3-D inputs, differing value dims) take the math decomposition, which
-    # builds a plain-tensor causal mask before dispatch: a DTensor/plain mix we refuse. 4-D
-    # batch/head/sequence-sharded SDPA through the CPU flash kernel is covered by test_ops_nn.py.
-    "nn.functional.scaled_dot_product_attention": "math path mixes in a plain mask tensor",
 }
 
 SAMPLES_PER_OP = 4

@@ -483,6 +483,43 @@ def test_sdpa_math_path():
         check(lambda q, k, v: F.scaled_dot_product_attention(q, k, v), [q, k, v], [p, p, p], mesh)
         check(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
               [q, k, v, mask], [p, p, p, [R]], mesh)
+    # is_causal: the math path builds its causal mask from scratch (a plain tensor before); it is
+    # the same on every rank and becomes replicated. Batch 5 / heads 3 on 4 ranks: empty shards
+    bmask = _rand(5, 1, 6, 7, seed=4)  # per batch, broadcast over heads: sharded like the scores
+    for m, pls in ((mesh, [[Shard(0)], [Shard(1)], [Shard(2)], [R]]),
+                   (init_device_mesh("cpu", (2, 2)), [[Shard(0), Shard(1)], [Shard(1), Shard(0)],
+                                                      [Shard(1), Shard(1)], [R, Shard(0)]])):
+        for p in pls:
+            check(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+                  [q, k, v], [p, p, p], m)
+            check(lambda q, k, v, m: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
+                  [q, k, v, bmask], [p, p, p, [Shard(0)] + [R] * (m.ndim - 1)], m)
+    # 3-D inputs (no head dim) always take the math path, as OpInfo's samples do
+    q3, k3, v3 = q[:, 0], k[:, 0], _rand(5, 7, 8, seed=5)
+    for p in ([Shard(0)], [Shard(1)], [R]):
+        for causal in (False, True):
+            check(lambda q, k, v: F.scaled_dot_product_attention(q, k, v, is_causal=causal),
+                  [q3, k3, v3], [p, p, p], mesh)
+    # a plain mask (or q/k/v) beside DTensors is an error naming the argument
+    dq, dk, dv = (_dist(t, mesh, [Shard(0)]) for t in (q, k, v))
+    with pytest.raises(ValueError, match="attn_mask is a plain torch.Tensor"):
+        F.scaled_dot_product_attention(dq, dk, dv, attn_mask=mask)
+    with pytest.raises(ValueError, match="value is a plain torch.Tensor"):
+        F.scaled_dot_product_attention(dq, dk, v)
+
+
+@distributed(world_size=4)
+def test_sdpa_inference_mode():
+    # without autograd keys SDPA reaches the dispatcher whole: it decomposes to the fused kernel
+    mesh = init_device_mesh("cpu", (2, 2))
+    q, k, v = (_rand(5, 3, 6, 8, seed=s) for s in range(3))
+    for p in ([Shard(0), Shard(1)], [Shard(1), Shard(2)]):
+        d = [_dist(t, mesh, p, grad=False) for t in (q, k, v)]
+        for causal in (False, True):
+            with torch.inference_mode():
+                out = F.scaled_dot_product_attention(*d, is_causal=causal)
+            torch.testing.assert_close(out.full_tensor(),
+                                       F.scaled_dot_product_attention(q, k, v, is_causal=causal))
 
 
 @distributed(world_size=4)

@@ -25,7 +25,7 @@ import torch
 from ..spec import DTensorSpec
 
 __all__ = ["OpCall", "FullStrategy", "Decompose", "register_rule", "set_rule", "get_rule",
-           "key_scalars_by_value", "RULES", "SIGN_KEYED"]
+           "key_scalars_by_value", "intercept_composite", "RULES", "SIGN_KEYED"]
 
 RULES: dict = {}
 
@@ -118,3 +118,32 @@ def _overloads(op):
 
 def get_rule(op):
     return RULES.get(op)
+
+
+# ------------------------------------------------------------------ composite ops
+_LIB = None  # the torch.library registrations of intercept_composite (kept alive here)
+
+
+def intercept_composite(op, dtensor_fn):
+    """Run ``dtensor_fn(*args, **kwargs)`` instead of ``op`` (a CompositeImplicitAutograd op)
+    when a DTensor is among its arguments.
+
+    Such ops decompose at the autograd key, before ``__torch_dispatch__`` sees them, so a rule
+    never runs for them while autograd is on; where the decomposition cannot work on DTensors
+    (it builds plain tensors from scratch, or reads data to choose shapes) this replaces it.
+    It is ``op``'s autograd-CPU kernel that is replaced: calls without DTensors run torch's own
+    decomposition, as before. Without autograd keys (inference mode) the op reaches the
+    dispatcher whole: register a rule for it as well."""
+    global _LIB
+    from torch.utils._pytree import tree_flatten
+
+    def kernel(*args, **kwargs):
+        from ..dtensor import DTensor  # lazily: dtensor imports the dispatcher, which imports us
+        if any(isinstance(a, DTensor) for a in tree_flatten((args, kwargs))[0]):
+            return dtensor_fn(*args, **kwargs)
+        return op.decompose(*args, **kwargs)
+
+    if _LIB is None:
+        _LIB = torch.library.Library("aten", "IMPL")  # noqa: TOR901
+    _LIB.impl(op._schema.name.split("::")[-1] + (
+        "." + op._overloadname if op._overloadname != "default" else ""), kernel, "AutogradCPU")

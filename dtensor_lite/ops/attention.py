@@ -20,7 +20,16 @@ compute nothing and return empty/zero pieces.
 
 Inputs the fused kernel does not take (a value head dim unlike the query's, no head dim, GQA,
 dropout) go down the composite math path instead: matmuls and ``aten._safe_softmax`` (see
-``nn.py``), each with its own rule.
+``nn.py``), each with its own rule. With ``is_causal`` that path builds its mask from scratch
+(``ones(L, S).tril()``): a plain tensor, which DTensor ops refuse to mix with DTensors. The mask
+depends on global shapes only -- every rank builds the same one -- so while SDPA's composite runs on
+DTensors, tensors it creates from no input are made replicated DTensors (``_ReplicateCreated``).
+``F.scaled_dot_product_attention`` is CompositeImplicitAutograd: with autograd on it decomposes
+before any DTensor sees it, so its autograd-CPU kernel is wrapped (plain tensors: torch's own
+composite, unchanged) to run that scope for DTensor inputs; in inference mode the op reaches the
+dispatcher whole and the rules below do the same. A plain (non-0-d) ``attn_mask`` or q/k/v mixed
+with DTensors is an error, as everywhere: it is checked first, since inside the scope its
+conversions would otherwise look like tensors created from scratch.
 """
 from __future__ import annotations
 
@@ -28,9 +37,12 @@ import functools
 
 import torch
 
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
 from ..placements import Partial, Replicate, Shard
-from ..spec import DTensorSpec
-from ._registry import register_rule
+from ..spec import DTensorSpec, TensorMeta
+from ._registry import Decompose, intercept_composite, register_rule
 from .nn import arg, choose, input_names, sharding_mesh_dims, strategy, target_spec
 
 aten = torch.ops.aten
@@ -142,3 +154,63 @@ def _sdpa_backward_local(grad_out, query, key, value, out, logsumexp, dropout_p,
         attn_mask, is_causal = _causal_mask(query, key, row_start), False
     return SDPA_CPU_BACKWARD(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal,
                              attn_mask=attn_mask, scale=scale)
+
+
+# ----------------------------------------------------------------------------- the composite entry
+SDPA = aten.scaled_dot_product_attention.default
+SDPA_MATH = aten._scaled_dot_product_attention_math.default
+_SDPA_ARGS = ("query", "key", "value", "attn_mask")
+
+
+class _ReplicateCreated(TorchDispatchMode):
+    """Inside SDPA's composite on DTensors: a tensor made from no tensor input (or only 0-d ones),
+    such as the math path's causal mask, is a function of global shapes, the same on every rank:
+    it becomes a replicated DTensor. Random ones would differ by rank: those are refused."""
+
+    def __init__(self, mesh):
+        super().__init__()
+        self.mesh = mesh
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from ..dtensor import DTensor
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        if not isinstance(out, torch.Tensor) or isinstance(out, DTensor) or out.ndim == 0:
+            return out
+        if any(isinstance(a, torch.Tensor) and a.ndim > 0 for a in tree_flatten((args, kwargs))[0]):
+            return out  # made from a plain tensor: left plain, so mixing it stays an error
+        if torch.Tag.nondeterministic_seeded in func.tags:
+            raise RuntimeError(f"scaled_dot_product_attention on DTensors: its composite drew "
+                               f"random values with {func} outside any DTensor; they would differ "
+                               "by rank (a bug: report it with the arguments)")
+        meta = TensorMeta(out.shape, tuple(out.stride()), out.dtype)
+        return DTensor(out, DTensorSpec(self.mesh, (R,) * self.mesh.ndim, meta))
+
+
+def _sdpa_on_dtensors(op, args, kwargs):
+    """Run ``op``'s composite (SDPA, or its math path) with created tensors replicated."""
+    from ..dtensor import DTensor
+    names = [a.name for a in op._schema.arguments]
+    bound = dict(zip(names, args))
+    bound.update(kwargs)
+    tensors = {n: bound.get(n) for n in _SDPA_ARGS}
+    mesh = next(t.device_mesh for t in tensors.values() if isinstance(t, DTensor))
+    for n, t in tensors.items():
+        if isinstance(t, torch.Tensor) and not isinstance(t, DTensor) and t.ndim > 0:
+            raise ValueError(
+                f"scaled_dot_product_attention: {n} is a plain torch.Tensor (shape "
+                f"{tuple(t.shape)}) while other inputs are DTensors. Make it a DTensor first, e.g. "
+                f"distribute_tensor({n}, mesh, [Replicate()] * mesh.ndim), or shard it like the "
+                "attention scores (only 0-d tensors are treated as replicated automatically)")
+    with _ReplicateCreated(mesh):
+        return op.decompose(*args, **kwargs)
+
+
+intercept_composite(SDPA, lambda *args, **kwargs: _sdpa_on_dtensors(SDPA, args, kwargs))
+
+
+@register_rule(SDPA, SDPA_MATH)
+def _sdpa_composite(call):
+    # reached whole only without autograd keys (inference mode): decompose in the DTensor scope
+    op = call.op
+    return Decompose(lambda *args, **kwargs: _sdpa_on_dtensors(op, args, kwargs))

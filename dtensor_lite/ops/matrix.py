@@ -9,7 +9,7 @@ import torch
 
 from ..placements import Partial, Replicate, Shard
 from ..spec import DTensorSpec
-from ._registry import register_rule
+from ._registry import Decompose, register_rule
 
 aten = torch.ops.aten
 R = Replicate()
@@ -47,9 +47,17 @@ def _bias_placement(bias, out, out_ndim):
     return Shard(dd) if dd >= 0 and bias.shape[dd] != 1 else R
 
 
-@register_rule(aten.mm, aten.matmul.default)
+@register_rule(aten.mm)
 def _mm(call):
     return _mm_strategies(0)
+
+
+@register_rule(aten.matmul.default)
+def _matmul(call):
+    # CompositeImplicitAutograd: reaches the dispatcher whole only without autograd keys
+    # (inference mode). Its operands may be 1-D or batched, which the mm strategies do not
+    # describe; torch's own decomposition (views, mm / bmm) runs on the DTensors instead.
+    return Decompose(aten.matmul.default.decompose)
 
 
 @register_rule(aten.bmm)
