@@ -533,3 +533,46 @@ def test_safe_softmax_over_sharded_dim():
                      (init_device_mesh("cpu", (4,)), [Shard(0)])]:
         out = aten._safe_softmax.default(_dist(x, mesh, px, grad=False), -1)
         torch.testing.assert_close(out.full_tensor(), ref)
+
+
+# ----------------------------------------------------------------------------- one_hot
+@distributed(world_size=4)
+def test_one_hot():
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 6, (5, 3), generator=gen)
+    ids[4, 2] = 6  # the largest id sits in the last (short) row shard
+    short = torch.tensor([[2, 0], [4, 1], [0, 3]])  # 3 rows, 2 columns on 4 ranks: empty pieces
+    mesh1, mesh2 = _meshes()
+    cases = [(mesh1, [[R], [Shard(0)], [Shard(1)], [Partial()]]),
+             (mesh2, [[Shard(0), Shard(1)], [Shard(1), Shard(0)], [Shard(0), Shard(0)],
+                      [R, Shard(0)]])]
+    for mesh, pls in cases:
+        for p in pls:
+            for t in (ids, short):
+                for n in (-1, 9):
+                    out = F.one_hot(_dist(t, mesh, p), n)
+                    torch.testing.assert_close(out.full_tensor(), F.one_hot(t, n))
+                    # the shard of the ids stays; the new class dim is whole
+                    assert out.placements == tuple(R if q.is_partial() else q for q in p)
+            with torch.inference_mode():
+                out = F.one_hot(_dist(ids, mesh, p, grad=False))
+            torch.testing.assert_close(out.full_tensor(), F.one_hot(ids))
+    # the class count and the range checks read the global data: one all-reduce of (min, max),
+    # and the same answer (or error) on every rank, also where a rank's own piece is fine
+    d = _dist(ids, mesh1, [Shard(0)])
+    with CommDebugMode() as comm:
+        out = F.one_hot(d)
+    assert comm.get_comm_counts() == {"all_reduce": 1} and out.shape == (5, 3, 7)
+    with pytest.raises(RuntimeError, match="smaller than num_classes=6"):
+        F.one_hot(d, 6)  # only the last rank holds the 6
+    bad = ids.clone()
+    bad[0, 0] = -1
+    with pytest.raises(RuntimeError, match="non-negative"):
+        F.one_hot(_dist(bad, mesh1, [Shard(0)]))
+    with pytest.raises(RuntimeError, match="can not infer"):
+        F.one_hot(_dist(torch.zeros(0, 3, dtype=torch.long), mesh1, [Shard(0)]))
+    empty = F.one_hot(_dist(torch.zeros(0, 3, dtype=torch.long), mesh1, [Shard(1)]), 4)
+    assert empty.shape == (0, 3, 4) and empty.placements == (Shard(1),)
+    # one-hot rows as a float DTensor feed differentiable ops as usual
+    w = _rand(7, 4)
+    check(lambda w, i: F.one_hot(i).float() @ w, [w, ids], [[R], [Shard(0)]], mesh1)

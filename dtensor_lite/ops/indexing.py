@@ -14,14 +14,19 @@ Sharded indices give sharded outputs (reads), or Partial(sum) for accumulating w
 (``scatter_add``, ``index_add``, ``index_put(accumulate=True)``), each rank adding its share.
 Boolean masks are turned into (replicated) integer indices first: the output length depends on
 the data, so only a replicated mask can give every rank the same global shape.
+
+``one_hot``: every id expands in place, so any shard of the ids stays and the new last dim is
+whole. Its class count (``num_classes=-1``) and its range checks read the data: they use the
+global min and max (one small all-reduce per mesh dim sharding the ids), so every rank gets the
+same shape and the same error.
 """
 from __future__ import annotations
 
 import torch
 
 from ..placements import Partial, Replicate, Shard
-from ..spec import DTensorSpec
-from ._registry import Decompose, register_rule
+from ..spec import DTensorSpec, TensorMeta, contiguous_stride
+from ._registry import Decompose, intercept_composite, register_rule
 from .pointwise import choose, input_locations, target_spec, with_scalar_zeroing
 from .tensor_ops import replicated_local, wrap_replicated, _replicated_run
 
@@ -433,3 +438,52 @@ def _masks_to_ids(op):
             return _replicated_run(op)(x, indices, *args, **kwargs)
         return op(x, ids, *args, **kwargs)
     return run
+
+
+# ------------------------------------------------------------------ one_hot
+ONE_HOT = aten.one_hot.default
+
+
+def _one_hot(self, num_classes=-1):
+    """``F.one_hot`` of an integer DTensor: local one-hot rows, sharded like the ids."""
+    from ..dtensor import DTensor
+    from .nn import all_reduce_over
+    if self.dtype != torch.int64:  # checked here: a rank with an empty piece must fail alike
+        raise RuntimeError(f"one_hot is only applicable to index tensor of type LongTensor "
+                           f"(got a DTensor of {self.dtype})")
+    if any(p.is_partial() for p in self.placements):  # one-hot rows are not linear in the ids
+        self = self.redistribute(self.device_mesh,
+                                 [R if p.is_partial() else p for p in self.placements])
+    spec, local = self._spec, self._local_tensor
+    if self.numel() == 0:
+        if num_classes == -1:
+            raise RuntimeError("one_hot: can not infer the number of classes from an empty "
+                               "tensor; pass num_classes")
+    else:  # global (-min, max): empty pieces contribute the identity of max
+        sharding = [i for i, p in enumerate(spec.placements) if p.is_shard()]
+        ident = torch.iinfo(torch.int64).min
+        stats = torch.stack([-local.min(), local.max()]) if local.numel() else \
+            torch.full((2,), ident, dtype=torch.int64, device=local.device)
+        neg_lo, hi = all_reduce_over(stats, spec.mesh, sharding, "max").tolist()
+        if -neg_lo < 0:
+            raise RuntimeError("one_hot: class values must be non-negative "
+                               f"(the DTensor holds {-neg_lo})")
+        if num_classes == -1:
+            num_classes = hi + 1
+        elif hi >= num_classes:
+            raise RuntimeError(f"one_hot: class values must be smaller than num_classes="
+                               f"{num_classes} (the DTensor holds {hi})")
+    out = ONE_HOT.decompose(local, num_classes)  # checks num_classes itself, alike on all ranks
+    shape = torch.Size(tuple(self.shape) + (num_classes,))
+    out_spec = DTensorSpec(spec.mesh, spec.placements,
+                           TensorMeta(shape, contiguous_stride(shape), out.dtype),
+                           tuple(spec.shard_order) + ((),))
+    return DTensor(out, out_spec)
+
+
+intercept_composite(ONE_HOT, _one_hot)
+
+
+@register_rule(ONE_HOT)
+def _one_hot_rule(call):
+    return Decompose(_one_hot)  # reached whole only without autograd keys (inference mode)
