@@ -139,8 +139,12 @@ def intercept_composite(op, dtensor_fn):
 
     def kernel(*args, **kwargs):
         from ..dtensor import DTensor  # lazily: dtensor imports the dispatcher, which imports us
-        if any(isinstance(a, DTensor) for a in tree_flatten((args, kwargs))[0]):
-            return dtensor_fn(*args, **kwargs)
+        # every call of the op in the process comes here: look at flat args without a pytree
+        # walk (schemas nest at most one list deep)
+        for a in (*args, *kwargs.values()):
+            if isinstance(a, DTensor) or (isinstance(a, (list, tuple)) and any(
+                    isinstance(x, DTensor) for x in tree_flatten(a)[0])):
+                return dtensor_fn(*args, **kwargs)
         return op.decompose(*args, **kwargs)
 
     if _LIB is None:
