@@ -151,3 +151,22 @@ def _full_state_round_trip(mesh_text):
                                         (8, "dp_replicate=2,dp_shard=2,tp=2")])
 def test_full_state_dict_round_trip(world, mesh):
     assert all(run_distributed(world, _full_state_round_trip, mesh, timeout=300))
+
+
+def _train_twice_across_reinit(cfg):
+    """Train, destroy the process group, make a new one, train again: the same losses (no cache
+    of meshes, groups, joined meshes, specs or decisions may outlive the groups it keys on)."""
+    import torch.distributed as dist
+
+    from tests.harness import reinit_process_group
+
+    first = train(cfg)
+    dist.destroy_process_group()
+    reinit_process_group()
+    return first, train(cfg)
+
+
+def test_training_survives_process_group_reinit():
+    cfg = _cfg("dp_shard=2,tp=2", steps=3)
+    for first, second in run_distributed(4, _train_twice_across_reinit, cfg, timeout=300):
+        assert first == second
