@@ -1,7 +1,9 @@
 """One FSDP training step, ours (fsdp.fully_shard on dtensor_lite) beside PyTorch's fully_shard.
 
 Same Llama-style model, same seed, same data, AdamW; per world size it reports the median step
-time (forward + backward + optimizer), the parameter bytes a rank holds between steps, the peak
+time (forward + backward + optimizer; the two implementations alternate step by step, so both
+see the same machine load; the step that counts bytes and the warmup steps, where our peak is
+sampled, are not timed), the parameter bytes a rank holds between steps, the peak
 unsharded parameter bytes during a step (ours), and the bytes each rank sends per step (our
 CommDebugMode for ours; the c10d calls of torch's FSDP counted with the same cost model).
 
@@ -15,9 +17,11 @@ CPU box are noisy: compare the two columns of one run, not runs with each other.
 from __future__ import annotations
 
 import argparse
+import cProfile
 import inspect
 import json
 import os
+import pstats
 import socket
 import statistics
 import sys
@@ -112,59 +116,110 @@ def _our_unsharded_bytes(model) -> int:
                if "_fsdp_state" in m.__dict__ and m.__dict__["_fsdp_state"].group is not None)
 
 
-def bench(impl: str, world: int, steps: int, warmup: int) -> dict:
-    rank = dist.get_rank()
+def _build(impl: str, world: int):
     torch.manual_seed(0)
     model = _shard(impl, Llama(CFG), world)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
+    return model, opt
+
+
+def _sample_peak(model, peak: list) -> list:
+    """Hooks that sample our unsharded bytes at every module boundary, both directions. They
+    cost time (full backward hooks wrap every module), so they run in untimed steps only."""
+    def sample(*_):
+        peak[0] = max(peak[0], _our_unsharded_bytes(model))
+    handles = []
+    for m in model.modules():
+        handles.append(m.register_forward_hook(sample))
+        handles.append(m.register_full_backward_hook(sample))
+    return handles
+
+
+def _timed(step, args, prof: cProfile.Profile | None = None):
+    """``(step(*args), seconds)`` after a barrier, under ``prof`` if given.
+    (benchmarks/tp_step.py times through this too.)"""
+    dist.barrier()
+    t0 = time.perf_counter()
+    if prof is not None:
+        prof.enable()
+    out = step(*args)
+    if prof is not None:
+        prof.disable()
+    return out, time.perf_counter() - t0
+
+
+def _report_profile(prof: cProfile.Profile, profile_dir: str, name: str, what: str):
+    os.makedirs(profile_dir, exist_ok=True)
+    path = os.path.join(profile_dir, f"{name}.prof")
+    prof.dump_stats(path)
+    print(f"\n=== cProfile of ours, {what}: {path}")
+    pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+
+
+def bench(impls, world: int, steps: int, warmup: int, profile_dir: str | None = None) -> list:
+    """Both implementations step by step, alternating, so both see the same machine load."""
+    rank = dist.get_rank()
+    runs = {impl: _build(impl, world) for impl in impls}
     g = torch.Generator().manual_seed(1)
     rows = BATCH // world
     batches = [torch.randint(0, CFG.vocab_size, (BATCH, SEQ), generator=g)
-               for _ in range(steps + warmup)]
+               for _ in range(steps + warmup + 1)]
     data = [b[rank * rows:(rank + 1) * rows] for b in batches]
     peak = [0]
-    if impl == "ours":  # sample the unsharded bytes at every module boundary, both directions
-        def sample(*_):
-            peak[0] = max(peak[0], _our_unsharded_bytes(model))
-        for m in model.modules():
-            m.register_forward_hook(sample)
-            m.register_full_backward_hook(sample)
+    prof = cProfile.Profile() if profile_dir and rank == 0 else None
 
-    def step(tokens):
+    def step(impl, tokens):
+        model, opt = runs[impl]
         loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
         loss.backward()
         opt.step()
         opt.zero_grad()
         return loss.detach()
 
-    times, losses = [], []
+    times = {impl: [] for impl in impls}
+    losses = {impl: [] for impl in impls}
+    comm = {}
     for i, tokens in enumerate(data):
-        dist.barrier()
-        t0 = time.perf_counter()
-        if i == warmup:  # count one steady-state step
-            if impl == "ours":
-                from dtensor_lite.debug import CommDebugMode
-                with CommDebugMode() as comm:
-                    loss = step(tokens)
-                comm_bytes, comm_counts = comm.get_comm_bytes(), comm.get_comm_counts()
-            else:
-                with _TorchCommCounter() as comm:
-                    loss = step(tokens)
-                comm_bytes, comm_counts = comm.bytes, comm.counts
-        else:
-            loss = step(tokens)
-        elapsed = time.perf_counter() - t0
-        if i >= warmup:
-            times.append(elapsed)
-        losses.append(float(loss))
-    held = _held_param_bytes(model)
-    return {
-        "impl": impl, "world": world, "step_ms_median": 1000 * statistics.median(times),
-        "step_ms_min": 1000 * min(times), "param_bytes_held": held,
-        "peak_unsharded_param_bytes": peak[0] if impl == "ours" else None,
-        "comm_bytes_per_rank": dict(comm_bytes), "comm_counts": dict(comm_counts),
-        "comm_bytes_total": sum(comm_bytes.values()), "losses": losses,
-    }
+        for impl in impls:
+            # warmup and counted steps are untimed: sample the peak there (steady state from
+            # the second step on)
+            handles = _sample_peak(runs[impl][0], peak) if impl == "ours" and i <= warmup else []
+            if i == warmup:  # count one steady-state step (untimed: the counters cost time)
+                if impl == "ours":
+                    from dtensor_lite.debug import CommDebugMode
+                    with CommDebugMode() as mode:
+                        loss = step(impl, tokens)
+                    comm[impl] = (mode.get_comm_bytes(), mode.get_comm_counts())
+                else:
+                    with _TorchCommCounter() as counter:
+                        loss = step(impl, tokens)
+                    comm[impl] = (counter.bytes, counter.counts)
+                losses[impl].append(float(loss))
+                for h in handles:
+                    h.remove()
+                continue
+            profiling = prof is not None and impl == "ours" and i > warmup
+            loss, elapsed = _timed(step, (impl, tokens), prof if profiling else None)
+            for h in handles:
+                h.remove()
+            if i > warmup:
+                times[impl].append(elapsed)
+            losses[impl].append(float(loss))
+    if prof is not None:
+        _report_profile(prof, profile_dir, f"fsdp_world{world}",
+                        f"world {world}, rank 0, {steps} steps")
+    out = []
+    for impl in impls:
+        comm_bytes, comm_counts = comm[impl]
+        out.append({
+            "impl": impl, "world": world, "step_ms_median": 1000 * statistics.median(times[impl]),
+            "step_ms_min": 1000 * min(times[impl]),
+            "param_bytes_held": _held_param_bytes(runs[impl][0]),
+            "peak_unsharded_param_bytes": peak[0] if impl == "ours" else None,
+            "comm_bytes_per_rank": dict(comm_bytes), "comm_counts": dict(comm_counts),
+            "comm_bytes_total": sum(comm_bytes.values()), "losses": losses[impl],
+        })
+    return out
 
 
 # ----------------------------------------------------------------------------- processes
@@ -184,10 +239,7 @@ def _worker(rank, world, port, queue, fn, *fn_args):
 
 
 def _run_all(world, args):
-    out = []
-    for impl in args.impls:
-        out.append(bench(impl, world, args.steps, args.warmup))
-    return out
+    return bench(args.impls, world, args.steps, args.warmup, args.profile)
 
 
 def _free_port():
@@ -216,6 +268,7 @@ def main():
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--impls", nargs="+", default=["ours", "torch"], choices=["ours", "torch"])
+    parser.add_argument("--profile", metavar="DIR", help="cProfile our timed steps on rank 0")
     parser.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results",
                                                        "fsdp_step.json"))
     args = parser.parse_args()

@@ -31,10 +31,8 @@ import cProfile
 import inspect
 import json
 import os
-import pstats
 import statistics
 import sys
-import time
 import warnings
 
 import torch
@@ -43,7 +41,8 @@ import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.fsdp_step import BATCH, CFG, SEQ, _free_port, _worker  # noqa: E402
+from benchmarks.fsdp_step import (BATCH, CFG, SEQ, _free_port, _report_profile,  # noqa: E402
+                                   _timed, _worker)
 from examples.llama import Llama, loss_fn  # noqa: E402
 from examples.llama_parallel import llama_tp_plan  # noqa: E402
 
@@ -147,26 +146,15 @@ def bench(case: str, steps: int, warmup: int, impls, profile_dir: str | None) ->
 
     for i, tokens in enumerate(batches):
         for impl in impls:  # alternate: both see the same machine load
-            dist.barrier()
             profiling = prof is not None and impl == "ours" and i >= warmup
-            t0 = time.perf_counter()
-            if profiling:
-                prof.enable()
-            loss = step(impl, tokens)
-            if profiling:
-                prof.disable()
-            elapsed = time.perf_counter() - t0
+            loss, elapsed = _timed(step, (impl, tokens), prof if profiling else None)
             if i >= warmup:
                 times[impl].append(elapsed)
             mean = loss.detach().clone()  # every rank's loss; TP ranks agree, so this is the dp mean
             dist.all_reduce(mean)
             losses[impl].append(float(mean) / dist.get_world_size())
     if prof is not None:
-        os.makedirs(profile_dir, exist_ok=True)
-        path = os.path.join(profile_dir, f"{case}.prof")
-        prof.dump_stats(path)
-        print(f"\n=== cProfile of ours, case {case}, rank 0, {steps} steps: {path}")
-        pstats.Stats(prof).sort_stats("tottime").print_stats(25)
+        _report_profile(prof, profile_dir, case, f"case {case}, rank 0, {steps} steps")
     sizes, sp, lp = CASES[case]
     return [{"case": case, "impl": impl, "world": dist.get_world_size(),
              "mesh": sizes, "sequence_parallel": sp, "loss_parallel": lp,
