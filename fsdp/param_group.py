@@ -59,20 +59,29 @@ class _Layout:
                     pos += numel
             self.offsets.append(row)
         self.chunk = -(-pos // _ALIGN) * _ALIGN if self.mixed else pos
+        self.sizes = [numel for row in self.offsets for _, numel, _ in row]
 
     def _view(self, flat2d: torch.Tensor, off: int, numel: int, dtype: torch.dtype):
         if not self.mixed:
             return flat2d[:, off:off + numel]
         return flat2d[:, off:off + numel * dtype.itemsize].view(dtype)
 
+    def _per_param(self, views) -> list[list[torch.Tensor]]:
+        it = iter(views)
+        return [[next(it) for _ in row] for row in self.offsets]
+
     def inputs(self, flat: torch.Tensor) -> list[list[torch.Tensor]]:
         """1-D views of one rank's chunk, per parameter, per input."""
+        if not self.mixed:  # segments back to back: one op makes every view
+            return self._per_param(flat.split_with_sizes(self.sizes))
         flat2d = flat.view(1, -1)
         return [[self._view(flat2d, o, n, d)[0] for o, n, d in row] for row in self.offsets]
 
     def outputs(self, flat: torch.Tensor, world: int) -> list[list[torch.Tensor]]:
         """``(world, numel)`` views of the gathered buffer, per parameter, per input."""
         flat2d = flat.view(world, self.chunk)
+        if not self.mixed:
+            return self._per_param(flat2d.split_with_sizes(self.sizes, dim=1))
         return [[self._view(flat2d, o, n, d) for o, n, d in row] for row in self.offsets]
 
 
@@ -169,9 +178,10 @@ class ParamGroup:
                 for per_param, views in zip(inputs, layout.inputs(inp)):
                     for (t, _), view in zip(per_param, views):
                         n = t.numel()
-                        view[:n].copy_(t, non_blocking=True)
-                        if n < view.numel():
+                        if n < view.numel():  # a short (uneven) shard: zero its padding
                             view[n:].zero_()
+                            view = view[:n]
+                        view.copy_(t, non_blocking=True)
                 out = torch.empty(layout.chunk * world, dtype=layout.dtype, device=self.device)
                 if world > 1 and layout.chunk:
                     work = C.flat_all_gather(out, inp, info.mesh, info.shard_dim, async_op=True)
