@@ -142,13 +142,20 @@ def _index_select(call):
     st += [_strategy(locs, Shard(d), {0: Shard(d)}) for d in range(x.ndim) if d != dim]
     if idx is not None and idx.ndim == 1:
         st.append(_strategy(locs, Shard(dim), {2: Shard(0)}))  # the output follows the ids
+    return _choose_lookup(call, st, locs, x, dim, gather=False)
+
+
+def _choose_lookup(call, st, locs, x, dim, gather):
+    """index_select / gather: add the strategies both share (a Partial source stays Partial; a
+    source sharded on the looked-up ``dim`` reads its piece and masks the rest, giving a partial
+    sum), choose, and run the masked local lookup when ``dim`` of the source is sharded."""
     st += [_strategy(locs, Partial(r), {0: Partial(r)}) for r in _partials(x)]
     if _masked_ok(x):
         st.append(_strategy(locs, Partial("sum"), {0: Shard(dim)}))
     full = choose(call, st)
     pieces = _sharded_pieces(call, full, 0, [dim])
     if pieces:
-        full.local_fn = _masked_reader(call.op, dim, *pieces[dim], x.shape[dim], gather=False)
+        full.local_fn = _masked_reader(call.op, dim, *pieces[dim], x.shape[dim], gather=gather)
     return full
 
 
@@ -183,14 +190,7 @@ def _gather(call):
     st += [_strategy(locs, Shard(d), {0: Shard(d), 2: Shard(d)})
            for d in range(x.ndim) if d != dim and x.shape[d] == idx.shape[d]]
     st.append(_strategy(locs, Shard(dim), {2: Shard(dim)}))
-    st += [_strategy(locs, Partial(r), {0: Partial(r)}) for r in _partials(x)]
-    if _masked_ok(x):
-        st.append(_strategy(locs, Partial("sum"), {0: Shard(dim)}))
-    full = choose(call, st)
-    pieces = _sharded_pieces(call, full, 0, [dim])
-    if pieces:
-        full.local_fn = _masked_reader(call.op, dim, *pieces[dim], x.shape[dim], gather=True)
-    return full
+    return _choose_lookup(call, st, locs, x, dim, gather=True)
 
 
 # ------------------------------------------------------------------ scatter family
