@@ -94,6 +94,20 @@ def dp_names(sizes: dict[str, int]) -> tuple[str, ...]:
     return tuple(n for n in ("dp_replicate", "dp_shard") if n in sizes)
 
 
+def dp_size(sizes: dict[str, int]) -> int:
+    """How many data-parallel ranks (batch slices) there are: 1 for TP alone."""
+    return math.prod(sizes[n] for n in dp_names(sizes))
+
+
+def dp_rows(x: torch.Tensor, mesh, sizes: dict[str, int]) -> torch.Tensor:
+    """This rank's rows of the global batch ``x`` (its data-parallel slice)."""
+    rank = 0  # this rank's index among the data-parallel ranks (dp_replicate major)
+    for name in dp_names(sizes):
+        rank = rank * sizes[name] + mesh.get_local_rank(name)
+    rows = x.shape[0] // dp_size(sizes)
+    return x[rank * rows:(rank + 1) * rows]
+
+
 # ============================================================================ data
 def corpus_tokens() -> torch.Tensor:
     return torch.tensor(list(CORPUS.read_bytes()), dtype=torch.long)
@@ -170,10 +184,10 @@ def train(cfg: TrainConfig) -> list[float]:
     sizes = parse_mesh(cfg.mesh, world)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
-    dp_size = math.prod(sizes[n] for n in dp_names(sizes)) if dp_names(sizes) else 1
-    if cfg.batch % dp_size:
+    n_dp = dp_size(sizes)
+    if cfg.batch % n_dp:
         raise SystemExit(f"--batch {cfg.batch} does not divide by the data-parallel size "
-                         f"{dp_size}; every data-parallel rank trains on batch/{dp_size} rows")
+                         f"{n_dp}; every data-parallel rank trains on batch/{n_dp} rows")
     if "tp" in sizes and cfg.sequence_parallel and cfg.seq % sizes["tp"]:
         raise SystemExit(f"--seq {cfg.seq} does not divide by tp={sizes['tp']} (sequence "
                          "parallelism splits it); change --seq or pass --no-sp")
@@ -182,8 +196,6 @@ def train(cfg: TrainConfig) -> list[float]:
     show = _Display(cfg, mesh, sizes, model, start) if not cfg.quiet and dist.get_rank() == 0 \
         else None
 
-    dp_rank = _dp_rank(mesh, sizes)
-    rows = cfg.batch // dp_size
     world_mesh = init_device_mesh(device_type, (world,))
     tokens = corpus_tokens()
     lp = uses_loss_parallel(cfg, sizes)
@@ -191,8 +203,7 @@ def train(cfg: TrainConfig) -> list[float]:
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         inputs, targets = global_batch(tokens, step, cfg)
-        inputs, targets = (x[dp_rank * rows:(dp_rank + 1) * rows].to(device_type)
-                           for x in (inputs, targets))
+        inputs, targets = (dp_rows(x, mesh, sizes).to(device_type) for x in (inputs, targets))
         local = train_step(model, opt, inputs, targets, lp)
         # every rank's loss as the pieces of a Partial("avg") DTensor: full_tensor() averages
         mean = DTensor.from_local(local.reshape(1).float(), world_mesh,
@@ -215,14 +226,6 @@ def reference_losses(cfg: TrainConfig) -> list[float]:
     tokens = corpus_tokens()
     return [float(train_step(model, opt, *global_batch(tokens, step, cfg), False))
             for step in range(cfg.steps)]
-
-
-def _dp_rank(mesh, sizes) -> int:
-    """This rank's index among the data-parallel ranks (dp_replicate major, dp_shard minor)."""
-    rank = 0
-    for name in dp_names(sizes):
-        rank = rank * sizes[name] + mesh.get_local_rank(name)
-    return rank
 
 
 # ============================================================================ output (rank 0)

@@ -109,7 +109,7 @@ def _full_state_round_trip(mesh_text):
     from dtensor_lite import init_device_mesh
     from dtensor_lite.state_dict import get_state_dict, set_model_state_dict, set_state_dict
     from examples.llama import Llama
-    from examples.train_llama import (_dp_rank, build, corpus_tokens, global_batch, parse_mesh,
+    from examples.train_llama import (build, corpus_tokens, dp_rows, global_batch, parse_mesh,
                                       train_step)
 
     cfg = _cfg(mesh_text, steps=3)
@@ -119,11 +119,10 @@ def _full_state_round_trip(mesh_text):
     torch.manual_seed(cfg.seed)
     ref = Llama(cfg.model)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=cfg.lr)
-    tokens, me = corpus_tokens(), _dp_rank(mesh, sizes)
-    rows = cfg.batch // (sizes.get("dp_replicate", 1) * sizes.get("dp_shard", 1))
+    tokens = corpus_tokens()
     for step in range(cfg.steps):
         x, y = global_batch(tokens, step, cfg)
-        train_step(model, opt, x[me * rows:(me + 1) * rows], y[me * rows:(me + 1) * rows], True)
+        train_step(model, opt, dp_rows(x, mesh, sizes), dp_rows(y, mesh, sizes), True)
         train_step(ref, ref_opt, x, y, False)
     model_sd, optim_sd = get_state_dict(model, opt, full_state_dict=True)
     ref_optim = {name: ref_opt.state[p] for name, p in ref.named_parameters()}
