@@ -18,6 +18,12 @@ Two spellings::
 
     assert run_distributed(2, _body, 10) == [0, 10]   # e.g. inside a hypothesis test
 
+``DTL_TEST_DEVICE=cuda`` runs the same bodies with their tensors on ``cuda:0`` (every rank shares
+that one GPU): factory functions default to CUDA, meshes asked for as ``"cpu"`` become ``"cuda"``
+meshes, and the default group is gloo (which moves CUDA tensors through the host; NCCL refuses
+two ranks on one GPU) except in a 1-rank world, which uses NCCL itself. Tests that assert a CPU
+device on purpose (offload, ``device_type == "cpu"``) are expected to differ there.
+
 Functions travel as (module name, file, qualname) and are imported in the workers, never pickled
 as code; arguments and return values must be picklable. Each body starts with seeds set to 0 and a
 working default process group (``reinit_process_group`` builds a new one after a test destroys
@@ -52,6 +58,7 @@ __all__ = ["DistributedTestFailure", "DistributedTestTimeout", "distributed",
            "reinit_process_group", "run_distributed", "shutdown_pools"]
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TEST_DEVICE = os.environ.get("DTL_TEST_DEVICE", "cpu")  # "cuda": see the module docstring
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=60)  # gloo gives up on a stuck collective after this
 STARTUP_TIMEOUT = 300.0  # 8 workers importing torch on 2 cores takes a while
 FAILURE_GRACE = 5.0  # after one rank fails, how long the others get to report before we kill them
@@ -90,12 +97,33 @@ def reinit_process_group() -> None:
         dist.destroy_process_group()
     _worker_state["generation"] += 1
     dist.init_process_group(
-        backend="gloo",
+        backend=_backend(_worker_state["world_size"]),
         store=dist.PrefixStore(f"pg{_worker_state['generation']}/", _worker_state["store"]),
         rank=_worker_state["rank"],
         world_size=_worker_state["world_size"],
         timeout=COLLECTIVE_TIMEOUT,
     )
+
+
+def _backend(world_size: int) -> str:
+    return "nccl" if TEST_DEVICE == "cuda" and world_size == 1 else "gloo"
+
+
+def _use_test_device() -> None:
+    """Put this worker's tensors and meshes on ``TEST_DEVICE`` (no-op for the CPU default)."""
+    if TEST_DEVICE == "cpu":
+        return
+    torch.cuda.set_device(0)
+    torch.set_default_device(TEST_DEVICE)
+    import dtensor_lite.device_mesh as device_mesh
+
+    validate = device_mesh._validate_device_type
+
+    def cpu_means_test_device(device_type):
+        checked = validate(device_type)
+        return TEST_DEVICE if checked == "cpu" else checked
+
+    device_mesh._validate_device_type = cpu_means_test_device
 
 
 def _exit_when_orphaned(parent_pid: int) -> None:
@@ -160,6 +188,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn, parent_pid: int) -
     if REPO_ROOT not in sys.path:
         sys.path.insert(0, REPO_ROOT)
     torch.set_num_threads(1)
+    _use_test_device()
     store = dist.TCPStore("127.0.0.1", port, is_master=False, timeout=COLLECTIVE_TIMEOUT)
     _worker_state.update(rank=rank, world_size=world_size, store=store, generation=0)
     reinit_process_group()
@@ -353,7 +382,7 @@ def _check_health(world_size: int) -> None:
 
 
 def _probe() -> None:
-    t = torch.ones(1)
+    t = torch.ones(1, device=TEST_DEVICE)
     dist.all_reduce(t)
     assert t.item() == dist.get_world_size()
 
