@@ -125,6 +125,19 @@ def _use_test_device() -> None:
 
     device_mesh._validate_device_type = cpu_means_test_device
 
+    # A generator made without a device must match the default device, or every factory call
+    # that passes one (torch.randint(..., generator=g)) refuses it.
+    cpu_generator = torch.Generator
+
+    class TestDeviceGenerator(cpu_generator):
+        def __new__(cls, device=None):
+            return cpu_generator.__new__(cls, TEST_DEVICE if device is None else device)
+
+        def __init__(self, device=None):
+            pass
+
+    torch.Generator = TestDeviceGenerator
+
 
 def _exit_when_orphaned(parent_pid: int) -> None:
     # If the driver is SIGKILLed no atexit runs; don't linger as an orphan stuck in a collective.
