@@ -111,6 +111,12 @@ def test_index_select_all_paths():
         _check_grad(lambda x, i: x.index_select(0, i), [x, idx], [px, pi], mesh)
     with pytest.raises(Exception, match="out of range"):
         dx.index_select(0, distribute_tensor(torch.tensor([7]), mesh, [R, R]))
+    # a 0-d source (replicated or Partial) gives a 0-d result, with 0-d or 1-element ids
+    s0 = distribute_tensor(torch.tensor(5.0), mesh, [R, R])
+    for src in (s0, s0.redistribute(mesh, [Partial(), R])):
+        for ids in (torch.tensor([0]), torch.tensor(0)):
+            out = src.index_select(0, distribute_tensor(ids, mesh, [R, R]))
+            close(out.full_tensor(), torch.tensor(5.0).index_select(0, ids))
 
 
 @distributed(world_size=4)
@@ -160,6 +166,37 @@ def test_gather_and_scatter_family():
         _check_grad(lambda x, i, s: x.scatter_add(1, i, s), [x, idx, src], [px, pi, pi], mesh)
         uniq = torch.stack([torch.randperm(6)[:4] for _ in range(5)])  # scatter grads need unique ids
         _check_grad(lambda x, i, s: x.scatter(1, i, s), [x, uniq, src], [px, pi, pi], mesh)
+
+
+@distributed(world_size=4)
+def test_scatter_reduce_every_mode_on_sharded_inputs():
+    """Every reduce mode x include_self, on sharded layouts of self / index / src (1-D mesh of 4
+    and 2x2), and on Partial self / src: the result equals plain torch's."""
+    x = torch.randn(10, 5)
+    idx = torch.tensor([[0, 1, 2, 3, 4], [9, 8, 7, 6, 5], [0, 0, 9, 9, 4], [3, 3, 3, 3, 3],
+                        [5, 6, 5, 6, 5]])  # OpInfo's shapes, with collisions
+    src = torch.randn(5, 5)
+    layouts = [(init_device_mesh("cpu", (4,)), [Shard(0)]), (_mesh2d(), [Shard(0), Shard(1)]),
+               (_mesh2d(), [Shard(0), Shard(0)]), (_mesh2d(), [R, Shard(0)])]
+    for mesh, pl in layouts:
+        for reduce in ("sum", "prod", "mean", "amax", "amin"):
+            for include_self in (True, False):
+                for dim in (0, 1):
+                    i = idx if dim == 0 else idx % 5
+                    want = x.scatter_reduce(dim, i, src, reduce, include_self=include_self)
+                    for pi in (pl, [R] * mesh.ndim):  # index/src sharded like self, or whole
+                        dx, di, ds = (distribute_tensor(t, mesh, p) for t, p in
+                                      ((x, pl), (i, pi), (src, pi)))
+                        got = dx.scatter_reduce(dim, di, ds, reduce, include_self=include_self)
+                        close(got.full_tensor(), want)
+        rx, rs = (distribute_tensor(t, mesh, [R] * mesh.ndim) for t in (x, src))
+        di = distribute_tensor(idx, mesh, [R] * mesh.ndim)
+        for reduce, partial in (("sum", Partial("sum")), ("amax", Partial("max")),
+                                ("amin", Partial("min"))):
+            px, ps = (t.redistribute(mesh, [partial] * mesh.ndim) for t in (rx, rs))
+            for include_self in (True, False):
+                close(px.scatter_reduce(0, di, ps, reduce, include_self=include_self).full_tensor(),
+                      x.scatter_reduce(0, idx, src, reduce, include_self=include_self))
 
 
 @distributed(world_size=4)

@@ -139,6 +139,8 @@ def _index_select(call):
     locs = input_locations(call)
     idx = call.args[2] if isinstance(call.args[2], DTensorSpec) else None
     st = [_strategy(locs, R, {})]
+    if x.ndim == 0:  # a 0-d source gives a 0-d result: nothing to shard (Partials stay)
+        return st + [_strategy(locs, Partial(r), {0: Partial(r)}) for r in _partials(x)]
     st += [_strategy(locs, Shard(d), {0: Shard(d)}) for d in range(x.ndim) if d != dim]
     if idx is not None and idx.ndim == 1:
         st.append(_strategy(locs, Shard(dim), {2: Shard(0)}))  # the output follows the ids
@@ -209,6 +211,11 @@ def _scatter_reduction(call) -> str | None:
     return {"add": "sum", "multiply": "prod"}.get(reduce, reduce)
 
 
+def _includes_self(call) -> bool:
+    """scatter_reduce / index_reduce(..., include_self=False) leave x out of written slots."""
+    return call.kwargs.get("include_self", call.args[5] if len(call.args) > 5 else True)
+
+
 @register_rule(*_SCATTER)
 def _scatter(call):
     x, idx = call.inputs[0], call.inputs[1]
@@ -221,8 +228,11 @@ def _scatter(call):
            for d in range(x.ndim) if d != dim and x.shape[d] == idx.shape[d]
            and (src is None or src.shape[d] == idx.shape[d])]
     st.append(_strategy(locs, Shard(dim), {0: Shard(dim)}))  # writes land in their piece
-    if red == "sum" and src is not None and src.shape[dim] == idx.shape[dim]:
-        # each rank adds its share of the sources: x counted once (R -> P puts zeros off 0)
+    if red == "sum" and _includes_self(call) and src is not None and \
+            src.shape[dim] == idx.shape[dim]:
+        # each rank adds its share of the sources: x counted once (R -> P puts zeros off 0).
+        # Not with include_self=False: a rank that writes a slot drops its share of x there,
+        # one that does not keeps it, so the sum over ranks would count x where others wrote
         st.append(_strategy(locs, Partial("sum"), {0: Partial("sum"), 2: Shard(dim),
                                                    3: Shard(dim)}))
     keeps = {None: ("sum", "avg", "max", "min"), "sum": _LINEAR, "amax": ("max",),
