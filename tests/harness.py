@@ -139,6 +139,15 @@ def _use_test_device() -> None:
     torch.Generator = TestDeviceGenerator
 
 
+def _to_driver(value):
+    """Results travel to the driver as CPU tensors: it compares them with tensors of its own and
+    never touches a GPU."""
+    if TEST_DEVICE == "cpu":
+        return value
+    from torch.utils._pytree import tree_map
+    return tree_map(lambda x: x.cpu() if isinstance(x, torch.Tensor) else x, value)
+
+
 def _exit_when_orphaned(parent_pid: int) -> None:
     # If the driver is SIGKILLed no atexit runs; don't linger as an orphan stuck in a collective.
     while os.getppid() == parent_pid:
@@ -214,7 +223,7 @@ def _worker_main(rank: int, world_size: int, port: int, conn, parent_pid: int) -
         if data == _SHUTDOWN:
             break
         try:
-            reply = pickle.dumps(("ok", _run_task(*pickle.loads(data))))
+            reply = pickle.dumps(("ok", _to_driver(_run_task(*pickle.loads(data)))))
         except BaseException as exc:
             reply = pickle.dumps(("error", _format_error(exc)))
         try:
