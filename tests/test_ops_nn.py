@@ -42,10 +42,11 @@ def _grad_placements(out):
 
 
 def check(fn, tensors, placements, mesh, grads=True, tol=None, n_outs_with_grad=1,
-          no_grad=()):
+          no_grad=(), grad_tol=None):
     """fn on DTensors == fn on plain tensors, for the outputs and every floating input's grad
-    (except the inputs whose positions are in ``no_grad``)."""
+    (except the inputs whose positions are in ``no_grad``); ``grad_tol`` defaults to ``tol``."""
     tol = tol or {}
+    grad_tol = grad_tol or tol
     wants = [grads and t.is_floating_point() and k not in no_grad for k, t in enumerate(tensors)]
     ref_in = [t.detach().clone().requires_grad_(w) for t, w in zip(tensors, wants)]
     ref = fn(*ref_in)
@@ -65,7 +66,7 @@ def check(fn, tensors, placements, mesh, grads=True, tol=None, n_outs_with_grad=
         if t.requires_grad:
             want = t.grad if t.grad is not None else torch.zeros_like(t)
             torch.testing.assert_close(d.grad.full_tensor(), want,
-                                       msg=lambda m: f"grad, {where}: {m}", **tol)
+                                       msg=lambda m: f"grad, {where}: {m}", **grad_tol)
     return out
 
 
@@ -245,14 +246,24 @@ def test_softmax_and_log_softmax():
             for dim in (0, -1):  # px shards every dim in turn: sharded and unsharded softmax dims
                 check(lambda x: F.softmax(x, dim), [x], [px], mesh)
                 check(lambda x: F.log_softmax(x, dim), [x], [px], mesh)
-    # low precision accumulates in float32, like torch
+    # low precision accumulates in float32, like torch: both forward results are float32 values
+    # a few float32 ulps apart, rounded once to bf16, so they differ by at most one bf16 ulp
+    # (2**-7 relative: 8 significant bits). Backward takes those outputs p: log_softmax's
+    # g - p * sum(g) then differs by one ulp of p * sum(g) (p <= 1) plus the final rounding;
+    # softmax's p * (g - <p, g>) by ulps of p * |g| and p * |<p, g>| (each <= max|g|).
     xb = _rand(4, 9).bfloat16()
+    g = _rand(4, 9, seed=100, dtype=torch.bfloat16).float()  # the output gradient check() uses
+    ulp = 2.0 ** -7
+    one_bf16_ulp = dict(atol=0, rtol=ulp)
+    log_softmax_grad = dict(atol=ulp * float(g.sum(-1).abs().max()), rtol=ulp)
+    softmax_grad = dict(atol=3 * ulp * float(g.abs().max()), rtol=ulp)
     mesh = init_device_mesh("cpu", (4,))
     for px in ([Shard(1)], [Shard(0)]):
-        check(lambda x: F.log_softmax(x, -1), [xb], [px], mesh, tol=dict(atol=1e-2, rtol=1e-2))
-        check(lambda x: F.softmax(x, -1), [xb], [px], mesh, tol=dict(atol=1e-2, rtol=1e-2))
-        check(lambda x: F.softmax(x, -1, dtype=torch.float32), [xb], [px], mesh,
-              tol=dict(atol=1e-2, rtol=1e-2))
+        check(lambda x: F.log_softmax(x, -1), [xb], [px], mesh, tol=one_bf16_ulp,
+              grad_tol=log_softmax_grad)
+        check(lambda x: F.softmax(x, -1), [xb], [px], mesh, tol=one_bf16_ulp,
+              grad_tol=softmax_grad)
+        check(lambda x: F.softmax(x, -1, dtype=torch.float32), [xb], [px], mesh)
 
 
 @distributed(world_size=4)
