@@ -115,6 +115,10 @@ def _use_test_device() -> None:
         return
     torch.cuda.set_device(0)
     torch.set_default_device(TEST_DEVICE)
+    # fp32 tests compare fp32 numerics: TF32 matmuls/convs (on by default for cuDNN) would round
+    # the DTensor path and the oracle differently for their different shapes
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
     import dtensor_lite.device_mesh as device_mesh
 
     validate = device_mesh._validate_device_type

@@ -1,5 +1,6 @@
-"""scaled_dot_product_attention on CPU: ``aten._scaled_dot_product_flash_attention_for_cpu``
-(and its backward), which is what ``F.scaled_dot_product_attention`` reaches in torch 2.13.
+"""scaled_dot_product_attention on DTensors. On CPU: ``aten._scaled_dot_product_flash_attention_for_cpu``
+(and its backward), which is what ``F.scaled_dot_product_attention`` reaches in torch 2.13; on CUDA
+the flash / memory-efficient / cuDNN kernels (batch and head sharding; see the end of the file).
 
 q/k/v are ``[*batch, L|S, E]`` (``[B, H, L, E]`` from the usual callers):
 
@@ -214,3 +215,66 @@ def _sdpa_composite(call):
     # reached whole only without autograd keys (inference mode): decompose in the DTensor scope
     op = call.op
     return Decompose(lambda *args, **kwargs: _sdpa_on_dtensors(op, args, kwargs))
+
+
+# ----------------------------------------------------------------------------- CUDA fused kernels
+# On CUDA, F.scaled_dot_product_attention reaches one of these kernels (flash for fp16/bf16,
+# memory-efficient for fp32 or with a bias, cuDNN where enabled). Each (batch, head) attends on
+# its own, so batch and head dims shard straight through, forward and backward; a sequence-sharded
+# q/k/v is gathered to one of those (or replicated) by the dispatcher. Their per-call RNG state,
+# cumulative sequence lengths and debug masks are empty or 0-d: replicated.
+_CUDA_FUSED = {
+    # op: (DTensor inputs sharded with q, outputs sharded with q; the rest are replicated)
+    aten._scaled_dot_product_flash_attention.default: (
+        ("query", "key", "value"), ("output", "logsumexp")),
+    aten._scaled_dot_product_flash_attention_backward.default: (
+        ("grad_out", "query", "key", "value", "out", "logsumexp"),
+        ("grad_query", "grad_key", "grad_value")),
+    aten._scaled_dot_product_efficient_attention.default: (
+        ("query", "key", "value"), ("output", "log_sumexp")),
+    aten._scaled_dot_product_efficient_attention_backward.default: (
+        ("grad_out_", "query", "key", "value", "out", "logsumexp"), (0, 1, 2)),
+    aten._scaled_dot_product_cudnn_attention.default: (
+        ("query", "key", "value"), ("output", "logsumexp")),
+    aten._scaled_dot_product_cudnn_attention_backward.default: (
+        ("grad_out", "query", "key", "value", "out", "logsumexp"), (0, 1, 2)),
+}
+# the bias of the efficient / cuDNN kernels, and (efficient backward only) its gradient's index
+_BIAS_GRAD_OUT = {aten._scaled_dot_product_efficient_attention_backward.default: 3}
+
+
+def _fused_cuda_rule(call):
+    sharded_ins, sharded_outs = _CUDA_FUSED[call.op]
+    returns = call.op._schema.returns
+    out_sharded = [k in sharded_outs or r.name in sharded_outs for k, r in enumerate(returns)]
+    q, k, v = arg(call, "query"), arg(call, "key"), arg(call, "value")
+    names = input_names(call)
+    bias = arg(call, "attn_bias") if "attn_bias" in names else None
+    strategies = [strategy(call, (R,) * len(returns))]
+    if arg(call, "dropout_p") == 0:  # dropout draws inside the kernel: only replication matches
+        for d in range(q.ndim - 2):  # batch / head dims (a size-1 dim would leave ranks idle)
+            if not q.shape[d] == k.shape[d] == v.shape[d] > 1:
+                continue
+            bias_placement = _mask_placement(bias, q, d)
+            if bias is not None and bias_placement == R:
+                continue  # a bias broadcast over d: its gradient would be a partial sum; gather
+            outs = [Shard(d) if s else R for s in out_sharded]
+            if call.op in _BIAS_GRAD_OUT and bias is not None:
+                outs[_BIAS_GRAD_OUT[call.op]] = bias_placement
+            ins = {n: Shard(d) for n in sharded_ins if n in names}
+            strategies.append(strategy(call, tuple(outs), attn_bias=bias_placement, **ins))
+    return choose(call, strategies, functools.partial(_fused_local, call.op))
+
+
+def _fused_local(op, *args, **kwargs):
+    """The kernel on this rank's pieces; an empty piece (uneven batch/head shards) computes
+    nothing and returns zeros of the kernel's output shapes (its gradients are zero too)."""
+    if any(isinstance(a, torch.Tensor) and a.numel() == 0 for a in args[:4]):
+        device = next(a.device for a in args if isinstance(a, torch.Tensor))
+        metas = op(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
+        return tuple(torch.zeros(m.shape, dtype=m.dtype, device=device)
+                     if isinstance(m, torch.Tensor) else m for m in metas)
+    return op(*args, **kwargs)
+
+
+register_rule(*_CUDA_FUSED)(_fused_cuda_rule)

@@ -119,8 +119,17 @@ def sync_rng_state(mesh, generator: torch.Generator | None = None) -> bool:
     return differed
 
 
+def _generator_key(gen):
+    """A weak reference to ``gen``; the generator itself where it takes none (torch < 2.13's
+    Generator has no weakref slot -- default generators live forever anyway)."""
+    try:
+        return weakref.ref(gen)
+    except TypeError:
+        return gen
+
+
 def _mark_synced(mesh, gen):
-    _SYNCED.setdefault(_ranks_key(mesh), set()).add(weakref.ref(gen))
+    _SYNCED.setdefault(_ranks_key(mesh), set()).add(_generator_key(gen))
 
 
 def manual_seed(seed: int, device_mesh) -> None:
@@ -158,7 +167,7 @@ def _ensure_synced(mesh, ranks_key, device: torch.device, generator):
     gen = generator if generator is not None else _default_generator(device)
     if mode == "once":
         known = _SYNCED.get(ranks_key)
-        if known is not None and weakref.ref(gen) in known:
+        if known is not None and _generator_key(gen) in known:
             return
     sync_rng_state(mesh, gen)
 
