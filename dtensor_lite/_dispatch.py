@@ -9,8 +9,9 @@ A cache hit does only what cannot be cached: walk the arguments once to build th
 the local tensors, run the local op, and build the output wrappers.
 
 Python numbers are in the key by type and value (they can change dtype promotion and some
-rules), except for ops registered with ``scalars_by_sign`` (foreach and fused optimizer ops):
-there only their type and sign are, so an optimizer's per-step scalars reuse one decision.
+rules), except for ops registered with ``scalars_by_sign`` (pointwise, foreach and fused optimizer
+ops, whose rules read signs only): there only their type and sign are, so an optimizer's per-step
+scalars and an LR schedule reuse one decision. The cache is an LRU of bounded size.
 """
 from __future__ import annotations
 
@@ -30,7 +31,10 @@ from .spec import DTensorSpec, TensorMeta
 
 __all__ = ["dispatch"]
 
-_DECISIONS: dict = _caches.register_decisions({})
+# bounded (see _caches): a program that keeps meeting new shapes or by-value scalars re-decides
+# its oldest combinations instead of growing
+_DECISIONS: dict = _caches.register_decisions(_caches.LRUCache(_caches.DECISIONS_MAX))
+_touch = _DECISIONS.move_to_end
 _SIGN_KEYED = _registry.SIGN_KEYED
 _NUMBER_TYPES = (int, float, bool, complex)
 
@@ -142,6 +146,7 @@ def dispatch(op, args, kwargs):
         if not by_sign or opid in _SIGN_KEYED:  # else the rule withdrew its promise: not cached
             _DECISIONS[key] = d                 # here, the next call keys it by value
         return d.run(args, kwargs, dts, validate=True)
+    _touch(key)
     if not d.fast:
         return d.run(args, kwargs, dts)
     # cache hit of the common shape: DTensors at top level, nothing to move

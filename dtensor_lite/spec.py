@@ -12,6 +12,7 @@ of the dispatcher and the redistribute planner.
 from __future__ import annotations
 
 import math
+import weakref
 from typing import NamedTuple, Sequence
 
 import torch
@@ -121,7 +122,27 @@ def _default_orders(placements: tuple, ndim: int):
 
 
 _INTERNED: dict = _caches.register({})
-_AS_GIVEN: dict = _caches.register({})  # DTensorSpec(...)'s arguments as given -> the spec
+# DTensorSpec(...)'s arguments as given -> the spec: only a shortcut to _INTERNED, so any entry
+# may go (bounded, oldest first; a dropped one is canonicalised again on its next use)
+_AS_GIVEN: dict = _caches.register(_caches.LRUCache(_caches.SPECS_MAX))
+_NEXT_SWEEP = [_caches.SPECS_MAX]
+
+
+def _intern(key, spec) -> None:
+    """Store ``spec`` as the one object for ``key``; when the table passes its bound, first drop
+    the specs nobody else holds (a spec still in use must stay the one object for its value)."""
+    _INTERNED[key] = spec
+    if len(_INTERNED) <= _NEXT_SWEEP[0]:
+        return
+    _AS_GIVEN.clear()
+    alive = {k: weakref.ref(v) for k, v in _INTERNED.items()}
+    _INTERNED.clear()
+    for k, ref in alive.items():
+        v = ref()
+        if v is not None:
+            _INTERNED[k] = v
+    # all still in use: let the table grow before sweeping again (amortised O(1) per spec)
+    _NEXT_SWEEP[0] = max(_caches.SPECS_MAX, 2 * len(_INTERNED))
 
 
 class DTensorSpec:
@@ -180,7 +201,7 @@ class DTensorSpec:
         object.__setattr__(spec, "shard_order", shard_order)
         object.__setattr__(spec, "_default_order", shard_order == default)
         object.__setattr__(spec, "_local_cache", None)
-        _INTERNED[key] = spec
+        _intern(key, spec)
         return spec
 
     def __setattr__(self, name, value):

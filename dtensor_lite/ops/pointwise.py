@@ -467,4 +467,6 @@ def _log_sigmoid_forward(call):
 
 POINTWISE_OPS = _discover()
 for _op in POINTWISE_OPS:
-    register_rule(_op)(pointwise_rule)
+    # decisions keyed by the numbers' sign, not value: a for-loop optimizer or an LR schedule
+    # passes new floats every step, and value keys would grow the decision cache every step
+    register_rule(_op, scalars_by_sign=_base(_op) not in _READS_VALUES)(pointwise_rule)

@@ -260,13 +260,13 @@ def _build_plan(src: DTensorSpec, dst: DTensorSpec) -> RedistributePlan:
     return RedistributePlan(src, dst, tuple(steps))
 
 
-_PLANS: dict = _caches.register({})
+_PLANS: dict = _caches.register(_caches.LRUCache(_caches.PLANS_MAX))
 
 
 def plan_redistribute(src: DTensorSpec, dst: DTensorSpec) -> RedistributePlan:
     """The cached minimum-communication plan from ``src`` to ``dst`` (same mesh, same tensor)."""
     key = (src, dst)
-    plan = _PLANS.get(key)
+    plan = _caches.cached_get(_PLANS, key)
     if plan is None:
         plan = _PLANS[key] = _build_plan(src, dst)
     return plan
