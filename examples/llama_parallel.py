@@ -19,13 +19,19 @@ Example::
 """
 from __future__ import annotations
 
+import functools
+
+import torch
 import torch.nn as nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from dtensor_lite import DeviceMesh, Replicate, Shard
 from tp import (ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel,
                 SequenceParallel, parallelize_module)
 
-__all__ = ["llama_tp_plan", "parallelize_llama"]
+__all__ = ["llama_tp_plan", "parallelize_llama", "apply_activation_checkpointing",
+           "matmul_saving_policy", "AC_MODES"]
 
 
 def llama_tp_plan(model: nn.Module, *, sequence_parallel: bool = False,
@@ -105,4 +111,63 @@ def parallelize_llama(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_paralle
                                  f"that divides by {tp}, got {seq}; pad the batch or turn "
                                  "sequence_parallel off")
         model.register_forward_pre_hook(check_seq)
+    return model
+
+
+# ============================================================================ activation checkpointing
+AC_MODES = ("none", "full", "selective")
+_MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
+            torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+            torch.ops.aten._scaled_dot_product_efficient_attention.default,
+            torch.ops.aten._scaled_dot_product_flash_attention.default}
+
+
+def matmul_saving_policy(every: int = 1):
+    """An op-level selective checkpointing policy: keep the output of every ``every``-th matmul
+    (and every attention kernel; counted per checkpointed call), recompute everything else.
+
+    Example::
+
+        >>> ctx_fn = lambda: create_selective_checkpoint_contexts(matmul_saving_policy(2))
+        >>> y = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False, context_fn=ctx_fn)
+    """
+    seen = [0]
+
+    def policy(ctx, op, *args, **kwargs):
+        if op not in _MATMULS:
+            return CheckpointPolicy.PREFER_RECOMPUTE
+        if op in (torch.ops.aten.mm.default, torch.ops.aten.addmm.default,
+                  torch.ops.aten.bmm.default):
+            seen[0] += 1
+            if (seen[0] - 1) % every:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+        return CheckpointPolicy.MUST_SAVE
+    return policy
+
+
+def _selective_contexts(every: int):
+    return create_selective_checkpoint_contexts(matmul_saving_policy(every))
+
+
+def apply_activation_checkpointing(model: nn.Module, mode: str, *, every: int = 1) -> nn.Module:
+    """Wrap every block of ``model.layers`` in ``checkpoint_wrapper`` (non-reentrant), the
+    torchtitan order: after tensor parallelism, before ``fully_shard`` (which then shards the
+    wrappers). ``mode``: ``"none"``, ``"full"`` (recompute the whole block in backward) or
+    ``"selective"`` (keep matmul and attention outputs, see :func:`matmul_saving_policy`).
+
+    Example::
+
+        >>> parallelize_llama(model, mesh["tp"])
+        >>> apply_activation_checkpointing(model, "selective")
+        >>> for block in model.layers:
+        ...     fully_shard(block, mesh=mesh["dp"])
+    """
+    if mode not in AC_MODES:
+        raise ValueError(f"activation checkpointing mode {mode!r}: use one of {AC_MODES}")
+    if mode == "none":
+        return model
+    kwargs = {} if mode == "full" else {"context_fn": functools.partial(_selective_contexts,
+                                                                        every)}
+    for i, block in enumerate(model.layers):
+        model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
     return model

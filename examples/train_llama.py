@@ -41,7 +41,8 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
 from dtensor_lite import DTensor, Partial, init_device_mesh  # noqa: E402
 from dtensor_lite.state_dict import get_state_dict, set_state_dict  # noqa: E402
 from examples.llama import Llama, LlamaConfig, loss_fn  # noqa: E402
-from examples.llama_parallel import parallelize_llama  # noqa: E402
+from examples.llama_parallel import (AC_MODES, apply_activation_checkpointing,  # noqa: E402
+                                     parallelize_llama)
 from fsdp import fully_shard  # noqa: E402
 from tp import loss_parallel  # noqa: E402
 
@@ -62,6 +63,7 @@ class TrainConfig:
     save: str | None = None
     resume: str | None = None
     quiet: bool = False
+    ac: str = "none"            # activation checkpointing per block: none | full | selective
     model: LlamaConfig = dataclasses.field(default_factory=lambda: LlamaConfig(
         vocab_size=256, dim=64, n_layers=2, n_heads=4, ffn_dim=160, max_seq_len=64))
 
@@ -131,6 +133,7 @@ def build(cfg: TrainConfig, mesh, sizes: dict[str, int]):
     if "tp" in sizes:
         parallelize_llama(model, mesh["tp"], sequence_parallel=cfg.sequence_parallel,
                           loss_parallel=cfg.loss_parallel)
+    apply_activation_checkpointing(model, cfg.ac)
     if dp_names(sizes):
         dp_mesh = mesh[dp_names(sizes)]
         for block in model.layers:
@@ -327,6 +330,9 @@ def parse_args(argv=None) -> TrainConfig:
     ap.add_argument("--save", metavar="DIR", help="write a checkpoint (DCP) at the end")
     ap.add_argument("--resume", metavar="DIR", help="continue from a checkpoint (any mesh)")
     ap.add_argument("--quiet", action="store_true", help="no tables or progress bar")
+    ap.add_argument("--ac", choices=AC_MODES, default=d.ac,
+                    help="activation checkpointing per block: recompute the whole block "
+                         "(full) or all but its matmuls (selective) in backward")
     args = ap.parse_args(argv)
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
                          if f.name != "model"})

@@ -16,6 +16,19 @@ unsharded tensors (aliases of FSDP's buffers), so every op of the module that us
 differentiates them as usual; its backward receives, in one call, the gradients of all of them
 for that forward use. It takes the sharded parameters as inputs only so that its outputs require
 grad; it returns no gradient for them (FSDP writes the reduced gradient itself).
+
+Activation checkpointing re-runs a block's forward inside backward, and the recomputation must
+save exactly what the original forward saved and cost no communication:
+
+* checkpoint *inside* the FSDP module (``checkpoint_wrapper`` then ``fully_shard``): no FSDP hook
+  runs in the recomputation; it sees whatever the pre-backward hook published. So the pre-backward
+  hook publishes grad-tracking tensors too (``_Unsharded``, not counted as a use): with
+  non-reentrant checkpointing they only make the recomputed ops save what the forward saved; with
+  reentrant checkpointing (forward under no_grad) the gradients arrive through them.
+* checkpoint *around* the FSDP module (``fully_shard`` then checkpointing): the FSDP forward hooks
+  run again inside backward. They touch no per-iteration state (non-reentrant recomputation may
+  stop half-way, before any post-forward), never reshard, and count a use only when the original
+  forward ran without grad (reentrant), so the block's gradients are reduced exactly once.
 """
 from __future__ import annotations
 
@@ -60,19 +73,33 @@ def _post_backward(group, grads):
         ctx.finish_group(group)
 
 
-def _publish_for_forward(group):
-    """Give the group's modules fresh unsharded tensors for this forward use."""
+def _publish_for_forward(group, counted: bool = True):
+    """Give the group's modules fresh unsharded tensors for this forward use.
+
+    ``counted``: a forward use whose gradients the group waits for; an uncounted publication
+    (backward, recomputation) only makes the tensors track grad, and its node, should gradients
+    reach it (reentrant checkpointing), stands in for the forward use it recomputes.
+    """
     if torch.is_grad_enabled() and group.trainable:
         tensors = _Unsharded.apply(group, *[group.params[i].sharded for i in group.trainable])
-        group.uses_pending += 1
-        group.needs_reduce = True
+        if counted:
+            group.uses_pending += 1
+            group.needs_reduce = True
     else:
         tensors = group.unsharded_aliases()
     group.publish(tensors)
 
 
+def _recomputing() -> bool:
+    """A module forward running inside the autograd engine: checkpointing's recomputation."""
+    return torch._C._current_graph_task_id() != -1
+
+
 # ===================================================================== forward hooks
 def pre_forward(state: FSDPState, module: nn.Module, args, kwargs):
+    if state.ctx is not None and _recomputing():
+        _pre_recompute(state)
+        return _cast_inputs(state, args, kwargs)
     if state.ctx is None:
         state.init_as_root()
     ctx = state.ctx
@@ -87,25 +114,55 @@ def pre_forward(state: FSDPState, module: nn.Module, args, kwargs):
             ctx.forward_order.append(group)
             _prefetch_forward(state, ctx)
             _publish_for_forward(group)
+    return _cast_inputs(state, args, kwargs)
+
+
+def _cast_inputs(state: FSDPState, args, kwargs):
     mp = state.mp_policy
     if mp.cast_forward_inputs and mp.param_dtype is not None:
         args, kwargs = map_tensors(_caster(mp.param_dtype), (args, kwargs))
     return args, kwargs
 
 
+def _pre_recompute(state: FSDPState):
+    """Pre-forward of a recomputation in backward. Non-reentrant: the pre-backward hook has
+    gathered the group (no communication here). Reentrant: the original forward ran without grad
+    and counted no use, so this one counts, and its all-gather is the one backward needs anyway."""
+    group = state.group
+    if group is None:
+        return
+    if group.state is not ShardState.UNSHARDED:
+        group.unshard()
+    _publish_for_forward(group, counted=group.uses_pending == 0)
+
+
 def post_forward(state: FSDPState, module: nn.Module, args, output):
+    if _recomputing():  # keep the parameters: the backward running now needs them
+        _hook_grad_outputs(state, output)
+        return _cast_output(state, output)
     state.to_run.discard(id(module))
     use_done = not state.to_run
     group = state.group
     if use_done and group is not None:
         group.reshard_post_forward()
         state.ctx.post_forward_order.append(group)
-    grad_outputs = [t for t in collect_tensors(output) if t.requires_grad]
-    if torch.is_grad_enabled():
-        for t in grad_outputs:
-            t.register_hook(_PreBackward(state))
-    if use_done and state.is_root and (not torch.is_grad_enabled() or not grad_outputs):
+    hooked = _hook_grad_outputs(state, output)
+    if use_done and state.is_root and not hooked:
         state.ctx.end_forward_without_backward()
+    return _cast_output(state, output)
+
+
+def _hook_grad_outputs(state: FSDPState, output) -> bool:
+    """Register the pre-backward hook on every output that requires grad; whether any did."""
+    if not torch.is_grad_enabled():
+        return False
+    grad_outputs = [t for t in collect_tensors(output) if t.requires_grad]
+    for t in grad_outputs:
+        t.register_hook(_PreBackward(state))
+    return bool(grad_outputs)
+
+
+def _cast_output(state: FSDPState, output):
     if state.mp_policy.output_dtype is not None:
         output = map_tensors(_caster(state.mp_policy.output_dtype), output)
     return output
@@ -126,6 +183,10 @@ class _PreBackward:
             return None
         if group.state is not ShardState.UNSHARDED:
             group.unshard()
+        # grad-tracking tensors for a checkpointed forward that recomputes inside this module
+        # (backward runs with grad off)
+        with torch.enable_grad():
+            _publish_for_forward(group, counted=False)
         if not group.prefetched_in_backward:
             group.prefetched_in_backward = True
             _prefetch_backward(state, state.ctx)
