@@ -31,12 +31,17 @@ def _meshes():
             (init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")), PLACEMENTS_2D)]
 
 
+def _test_device_generator():
+    """The default generator of the device plain factories use (cuda:0 under DTL_TEST_DEVICE)."""
+    return torch.cuda.default_generators[0] if torch.empty(0).is_cuda else torch.default_generator
+
+
 def _same_as_plain(fn_dt, fn_plain, seed):
     """Run both under the same seed; return both results and assert the generator ended up in
     the same state (the DTensor op consumed exactly what the plain op consumed)."""
     # the generator's own methods: torch.manual_seed / get_rng_state go through dynamo's
     # disable wrapper, which costs ~20 ms a call on this machine once dynamo is imported
-    gen = torch.default_generator
+    gen = _test_device_generator()
     gen.manual_seed(seed)
     a = fn_dt()
     state_dt = gen.get_state()

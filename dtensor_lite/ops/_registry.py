@@ -124,6 +124,9 @@ def get_rule(op):
 _LIB = None  # the torch.library registrations of intercept_composite (kept alive here)
 
 
+_AUTOGRAD_KEYS = ("AutogradCPU", "AutogradCUDA")
+
+
 def intercept_composite(op, dtensor_fn):
     """Run ``dtensor_fn(*args, **kwargs)`` instead of ``op`` (a CompositeImplicitAutograd op)
     when a DTensor is among its arguments.
@@ -131,7 +134,7 @@ def intercept_composite(op, dtensor_fn):
     Such ops decompose at the autograd key, before ``__torch_dispatch__`` sees them, so a rule
     never runs for them while autograd is on; where the decomposition cannot work on DTensors
     (it builds plain tensors from scratch, or reads data to choose shapes) this replaces it.
-    It is ``op``'s autograd-CPU kernel that is replaced: calls without DTensors run torch's own
+    It is ``op``'s autograd-CPU and autograd-CUDA kernels that are replaced: calls without DTensors run torch's own
     decomposition, as before. Without autograd keys (inference mode) the op reaches the
     dispatcher whole: register a rule for it as well."""
     global _LIB
@@ -149,5 +152,7 @@ def intercept_composite(op, dtensor_fn):
 
     if _LIB is None:
         _LIB = torch.library.Library("aten", "IMPL")  # noqa: TOR901
-    _LIB.impl(op._schema.name.split("::")[-1] + (
-        "." + op._overloadname if op._overloadname != "default" else ""), kernel, "AutogradCPU")
+    name = op._schema.name.split("::")[-1] + (
+        "." + op._overloadname if op._overloadname != "default" else "")
+    for key in _AUTOGRAD_KEYS:  # a DTensor dispatches on its local tensor's device
+        _LIB.impl(name, kernel, key)

@@ -266,9 +266,28 @@ def _fused_cuda_rule(call):
     return choose(call, strategies, functools.partial(_fused_local, call.op))
 
 
+_BIAS_ALIGNMENT = 16  # elements: the memory-efficient kernel's rule for a bias's row strides
+
+
+def _aligned_bias(bias):
+    """``bias`` with row strides the memory-efficient kernel accepts. SDPA pads its bias this way
+    itself, but a bias the dispatcher had to gather or re-shard arrives as a fresh contiguous
+    piece: pad the last dim to the alignment and slice it back (a view, values unchanged)."""
+    if all(st % _BIAS_ALIGNMENT == 0 for st in bias.stride()[:-1]):
+        return bias
+    last = bias.shape[-1]
+    pad = -last % _BIAS_ALIGNMENT
+    return torch.nn.functional.pad(bias, (0, pad))[..., :last]
+
+
 def _fused_local(op, *args, **kwargs):
     """The kernel on this rank's pieces; an empty piece (uneven batch/head shards) computes
     nothing and returns zeros of the kernel's output shapes (its gradients are zero too)."""
+    names = [a.name for a in op._schema.arguments]
+    if "attn_bias" in names:
+        j = names.index("attn_bias")
+        if j < len(args) and isinstance(args[j], torch.Tensor) and args[j].numel():
+            args = args[:j] + (_aligned_bias(args[j]),) + args[j + 1:]
     if any(isinstance(a, torch.Tensor) and a.numel() == 0 for a in args[:4]):
         device = next(a.device for a in args if isinstance(a, torch.Tensor))
         metas = op(*[a.to("meta") if isinstance(a, torch.Tensor) else a for a in args], **kwargs)
