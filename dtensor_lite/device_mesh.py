@@ -277,6 +277,100 @@ class DeviceMesh:
         """
         return self._flatten(mesh_dim_name)
 
+    def _unflatten(self, dim: int | str, mesh_sizes: Sequence[int], mesh_dim_names: Sequence[str],
+                   backend_override=None) -> "DeviceMesh":
+        """Split dim ``dim`` into ``len(mesh_sizes)`` dims named ``mesh_dim_names`` (torch's spelling
+        and signature). Collective: every rank calls it with the same arguments.
+
+        The result is a new mesh whose other dims are this mesh's; its ranks along the split dim
+        are this dim's ranks in order, reshaped (row-major) to ``mesh_sizes``. Like torch, the
+        original mesh does not learn the new names: slice the returned mesh. Groups already
+        built for the same rows are reused, so unflattening twice costs no new groups.
+
+        Example::
+
+            >>> world = init_device_mesh("cpu", (8,), mesh_dim_names=("world",))
+            >>> mesh = world._unflatten(0, (2, 2, 2), ("dp_replicate", "dp_shard", "tp"))
+            >>> mesh["dp_shard", "tp"].shape
+            (2, 2)
+        """
+        if backend_override is not None:
+            raise NotImplementedError(
+                "DeviceMesh._unflatten(backend_override=...) is not supported: every dim's group "
+                "uses the default group's backend; call it without backend_override")
+        i = self._unflatten_dim(dim)
+        sizes, names = _validate_unflatten(self, i, mesh_sizes, mesh_dim_names)
+        root = self._root
+        split = self._root_dims[i]
+        others = [d for d in range(root._root_mesh.ndim) if d not in split]
+        # the new root keeps every other root dim and replaces the split dim's root dims (in the
+        # order this mesh walks them) by the new sizes
+        outer_shape = [root._root_mesh.shape[d] for d in others]
+        new_root_tensor = root._root_mesh.permute(*others, *split).reshape(*outer_shape, *sizes)
+        new_root = DeviceMesh(self.device_type, new_root_tensor,
+                              mesh_dim_names=_unflatten_root_names(root, self, others, names))
+        where = {d: k for k, d in enumerate(others)}
+        for flat_name, dims in root._flat_names.items():
+            if all(d in where for d in dims):
+                new_root._flat_names[flat_name] = tuple(where[d] for d in dims)
+        new_dims = tuple((len(others) + k,) for k in range(len(sizes)))
+        root_dims = (tuple(tuple(where[d] for d in ds) for ds in self._root_dims[:i]) + new_dims
+                     + tuple(tuple(where[d] for d in ds) for ds in self._root_dims[i + 1:]))
+        kept = self.mesh_dim_names or ()
+        res_names = tuple(kept[:i]) + names + tuple(kept[i + 1:])
+        return DeviceMesh(self.device_type, None, mesh_dim_names=res_names, _root=new_root,
+                          _root_dims=root_dims)
+
+    def unflatten(self, dim: int | str, mesh_sizes: Sequence[int],
+                  mesh_dim_names: Sequence[str]) -> "DeviceMesh":
+        """Public spelling of ``_unflatten``: split one dim into several named dims.
+
+        Example::
+
+            >>> mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
+            >>> mesh2d = mesh.unflatten("world", (2, 2), ("dp", "tp"))   # [[0, 1], [2, 3]]
+        """
+        return self._unflatten(dim, mesh_sizes, mesh_dim_names)
+
+    def _unflatten_dim(self, dim) -> int:
+        if isinstance(dim, str):
+            if not self.mesh_dim_names or dim not in self.mesh_dim_names:
+                raise ValueError(f"unflatten: dim {dim!r} is not a dim of {self!r} (dims: "
+                                 f"{self._dim_labels()})")
+            return self.mesh_dim_names.index(dim)
+        if isinstance(dim, bool) or not isinstance(dim, int) or not -self.ndim <= dim < self.ndim:
+            raise ValueError(f"unflatten: dim {dim!r} is out of range for a {self.ndim}-D mesh")
+        return dim % self.ndim
+
+    def to_torch(self):
+        """This mesh as a ``torch.distributed.device_mesh.DeviceMesh`` over the *same* process
+        groups (no group is created; not collective). The one adapter for code that hands a mesh
+        to torch APIs which check for torch's class, e.g. functional collectives::
+
+            >>> import torch.distributed._functional_collectives as funcol
+            >>> funcol.all_reduce(x, "sum", mesh["tp"].to_torch())
+            >>> funcol.all_gather_tensor(x, 0, (mesh.to_torch(), 1))
+
+        torch's ``isinstance`` checks accept only instances of its own class, so our mesh cannot
+        be passed as is without subclassing torch's (whose internals we do not share). As with
+        torch's own meshes, those collectives order ranks by group rank (sorted global ranks).
+        Unnamed N-D meshes get the names ``dim0, dim1, ...`` there. Cached per mesh.
+        """
+        groups = self.get_all_groups()  # raises for a mesh of a destroyed process group
+        cached = self.__dict__.get("_torch_mesh")
+        if cached is not None:
+            return cached
+        from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+        if self.ndim == 1:
+            torch_mesh = TorchDeviceMesh.from_group(groups[0], self.device_type,
+                                                    mesh_dim_names=self.mesh_dim_names)
+        else:
+            names = self.mesh_dim_names or tuple(f"dim{d}" for d in range(self.ndim))
+            torch_mesh = TorchDeviceMesh.from_group(groups, self.device_type, mesh=self.mesh,
+                                                    mesh_dim_names=names)
+        self.__dict__["_torch_mesh"] = torch_mesh  # dies with this mesh (and its groups)
+        return torch_mesh
+
     def _join(self, other: "DeviceMesh") -> "DeviceMesh":
         """This mesh's dims followed by ``other``'s, as one mesh (both sliced from one root).
 
@@ -353,6 +447,45 @@ def _rebuild_mesh(device_type, root_mesh, root_names, flat_names, root_dims, nam
     if root_dims == root._root_dims and names == root_names:
         return root
     return DeviceMesh(device_type, None, mesh_dim_names=names, _root=root, _root_dims=root_dims)
+
+
+def _validate_unflatten(mesh: DeviceMesh, dim: int, sizes, names):
+    """Check ``_unflatten``'s sizes and names against ``mesh``; return them as tuples."""
+    sizes = (sizes,) if isinstance(sizes, int) else tuple(sizes)
+    names = (names,) if isinstance(names, str) else tuple(names)
+    if not sizes or not all(isinstance(s, int) and not isinstance(s, bool) and s >= 1
+                            for s in sizes):
+        raise ValueError(f"unflatten: mesh_sizes must be positive ints, got {sizes}")
+    if math.prod(sizes) != mesh.shape[dim]:
+        raise ValueError(f"unflatten: the product of mesh_sizes {sizes} is {math.prod(sizes)} but "
+                         f"dim {dim} of {mesh!r} has size {mesh.shape[dim]}; they must be equal")
+    if len(names) != len(sizes):
+        raise ValueError(f"unflatten: {len(names)} mesh_dim_names {names} for {len(sizes)} "
+                         f"mesh_sizes {sizes}; give one name per size")
+    if mesh.mesh_dim_names is None and mesh.ndim > 1:
+        raise ValueError(f"unflatten needs mesh_dim_names on a {mesh.ndim}-D mesh (the result "
+                         f"names every dim): build {mesh!r} with mesh_dim_names")
+    kept = [n for k, n in enumerate(mesh.mesh_dim_names or ()) if k != dim]
+    _validate_names(tuple(kept) + names, len(kept) + len(names))  # non-empty, unique
+    return sizes, names
+
+
+def _unflatten_root_names(root: DeviceMesh, mesh: DeviceMesh, others: list[int], new_names):
+    """Names for the dims of an unflattened mesh's new root: the new names for the split dims;
+    for each kept root dim the name ``mesh`` or the old root gives it, unless that name is taken
+    (then a private one -- the caller only ever sees slices, which carry their own names)."""
+    taken = set(new_names)
+    names = []
+    for d in others:
+        candidates = [n for n, ds in zip(mesh.mesh_dim_names or (), mesh._root_dims) if ds == (d,)]
+        if root.mesh_dim_names:
+            candidates.append(root.mesh_dim_names[d])
+        name = next((n for n in candidates if n not in taken), f"_outer{d}")
+        while name in taken:
+            name = "_" + name
+        taken.add(name)
+        names.append(name)
+    return tuple(names) + tuple(new_names)
 
 
 def _validate_mesh(mesh) -> torch.Tensor:
