@@ -1,0 +1,119 @@
+"""The strategies of examples/strategies/ train exactly like one process, with the communication
+their docstrings promise (world 4; a batch of 30 rows is sharded 8, 8, 8, 6).
+
+Every rank trains the strategy on its rows and, beside it, a plain-torch copy of the same model on
+the whole batch (the oracle). fp32 throughout: the only difference is the order in which the
+per-rank partial gradients are summed, a few ulps per step, so losses and parameters agree to
+rtol 1e-5 after 5 AdamW steps.
+"""
+import contextlib
+import copy
+
+import torch
+import torch.distributed as dist
+
+from dtensor_lite import Replicate, Shard, distribute_tensor, init_device_mesh
+from dtensor_lite.debug import CommDebugMode
+from examples.strategies.ddp import DataParallel
+from examples.strategies.zero import ZeroOptimizer
+from tests.harness import distributed
+
+STEPS, ROWS, DIM, HIDDEN, LR = 5, 30, 6, 11, 1e-2
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(DIM, HIDDEN), torch.nn.GELU(),
+                               torch.nn.Linear(HIDDEN, DIM))
+
+
+def _batches(n):
+    torch.manual_seed(1)
+    return [torch.randn(ROWS, DIM) for _ in range(n)]
+
+
+def _loss(model, x):
+    return (model(x) - x).pow(2).mean()
+
+
+def _replicate_params(model, mesh):
+    for sub in model.modules():
+        for name, p in list(sub.named_parameters(recurse=False)):
+            sub.register_parameter(name, torch.nn.Parameter(
+                distribute_tensor(p.detach(), mesh, [Replicate()])))
+    return model
+
+
+def _assert_params_equal(model, reference):
+    for p, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.full_tensor(), ref.detach(), rtol=1e-5, atol=1e-6)
+
+
+@distributed(world_size=4)
+def test_ddp_with_accumulation_matches_one_process():
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    reference = _model()
+    model = DataParallel(copy.deepcopy(reference), mesh, bucket_mb=80 * 4 / 2**20)
+    assert len(model.buckets) > 1  # several buckets, so bucketing itself is exercised
+    opt = torch.optim.AdamW(model.parameters(), lr=LR)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    batches = _batches(2 * STEPS)
+    for step in range(STEPS):
+        micro = batches[2 * step: 2 * step + 2]
+        sharded = [distribute_tensor(x, mesh, [Shard(0)]) for x in micro]
+        with CommDebugMode() as comm:
+            for i, x in enumerate(sharded):
+                with model.no_sync() if i == 0 else contextlib.nullcontext():
+                    loss = _loss(model, x) / 2
+                    loss.backward()
+        # accumulation costs nothing: one all-reduce per bucket, after the last micro-batch
+        assert comm.get_comm_counts() == {"all_reduce": len(model.buckets)}, comm.get_comm_counts()
+        assert all(p.grad.placements == (Replicate(),) for p in model.parameters())
+        opt.step()
+        opt.zero_grad()
+        ref_loss = sum(_loss(reference, x) / 2 for x in micro)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+    _assert_params_equal(model.module, reference)
+
+
+def _train_zero(stage):
+    mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("dp",))
+    reference = _model()
+    model = _replicate_params(copy.deepcopy(reference), mesh)
+    opt = ZeroOptimizer(model.parameters(), mesh, torch.optim.AdamW, stage=stage, lr=LR)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    numel = sum(p.numel() for p in reference.parameters())  # 149: uneven over 4 ranks
+    counts = []
+    for x in _batches(STEPS):
+        sharded = distribute_tensor(x, mesh, [Shard(0)])
+        with CommDebugMode() as comm:
+            loss = _loss(model, sharded)
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        counts.append(comm.get_comm_counts())
+        ref_loss = _loss(reference, x)
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(loss.full_tensor(), ref_loss.detach(), rtol=1e-5, atol=0)
+    _assert_params_equal(model, reference)
+    # optimizer state is sharded: each rank keeps moments for its slice only
+    state = opt.optimizer.state[opt.shard]
+    assert state["exp_avg"].placements == (Shard(0),)
+    assert state["exp_avg"].to_local().numel() < numel
+    return counts
+
+
+@distributed(world_size=4)
+def test_zero2_reduce_scatters_gradients_and_gathers_params_once():
+    counts = _train_zero(stage=2)
+    assert counts == [{"reduce_scatter": 1, "all_gather": 1}] * STEPS, counts
+
+
+@distributed(world_size=4)
+def test_zero1_all_reduces_gradients_and_gathers_params_once():
+    counts = _train_zero(stage=1)
+    assert counts == [{"all_reduce": 1, "all_gather": 1}] * STEPS, counts
