@@ -22,11 +22,13 @@ import torch
 from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_map
 
-from . import _caches
+from . import _caches, _fallback, debug
 from .dtensor import DTensor, _redistribute_local
 from .ops import _registry
 from .ops._expansion import expand_strategies
 from .ops._registry import Decompose, FullStrategy, OpCall
+from .ops.random import ensure_rng_synced
+from .redistribute import plan_redistribute
 from .spec import DTensorSpec, TensorMeta
 
 __all__ = ["dispatch"]
@@ -185,6 +187,8 @@ class _Decision:
             _check_not_copied_view(self, dts)
         targets = self.targets
         if self.needs_redistribute:
+            if debug._EXPLICIT:
+                _observe_rule_redistribute(self.op, dts, targets)
             locals_ = [dt._local_tensor if tgt is None else _redistribute_local(dt, tgt)
                        for dt, tgt in zip(dts, targets)]
         else:
@@ -216,6 +220,12 @@ class _Decision:
             res = [o if s is None else DTensor(o, s) for o, s in zip(out, self.out_specs)]
             return tuple(res) if isinstance(out, tuple) else res
         return out  # non-tensor result (e.g. a Python scalar from item())
+
+
+def _observe_rule_redistribute(op, dts, targets):
+    moves = [(j, dt._spec, t, plan_redistribute(dt._spec, t).cost)
+             for j, (dt, t) in enumerate(zip(dts, targets)) if t is not None]
+    debug.observe_implicit_redistribute(op, moves, "the sharding rule needs other input placements")
 
 
 def _swap(a, locals_iter):
@@ -319,13 +329,16 @@ def _decide(op, args, kwargs, dts) -> _Decision:
     if not dts:  # only reachable through odd subclass paths: nothing distributed here
         raise RuntimeError(f"{op}: dispatched to DTensor without DTensor arguments")
     mesh = _mesh_of(op, dts)
-    if _INPLACE_VIEW in op.tags and _registry.get_rule(op) is None:
-        return _inplace_view_decision(op, args, kwargs, dts)
-    if any(a.is_out for a in op._schema.arguments) and _registry.get_rule(op) is None:
-        return _OutDecision(op)
+    if any(_is_plain(a) or (isinstance(a, (list, tuple)) and any(_is_plain(x) for x in a))
+           for a in (*args, *kwargs.values())):
+        return _PlainInBackwardDecision(op, mesh)
     rule = _registry.get_rule(op)
     if rule is None:
-        raise _no_rule_error(op, dts)
+        if _INPLACE_VIEW in op.tags:
+            return _inplace_view_decision(op, args, kwargs, dts)
+        if any(a.is_out for a in op._schema.arguments) and _functional_overload(op) is not None:
+            return _OutDecision(op)
+        return _FallbackDecision(op, args, kwargs, dts, mesh)
     spec_args, spec_kwargs = _spec_args(op, args, kwargs)
     inputs = [dt._spec for dt in dts]
     call = OpCall(op, spec_args, spec_kwargs, inputs, mesh)
@@ -395,6 +408,31 @@ def _decide(op, args, kwargs, dts) -> _Decision:
     return d
 
 
+def _is_plain(a):
+    return isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim > 0
+
+
+class _PlainInBackwardDecision:
+    """Plain tensors among DTensors: an error in user code (see :func:`_spec_args`), but inside a
+    backward formula they are tensors the formula built itself (trace's backward indexes with an
+    ``arange``), the same on every rank: there they join as Replicate DTensors."""
+
+    fast = False
+
+    def __init__(self, op, mesh):
+        self.op = op
+        self.mesh = mesh
+
+    def run(self, args, kwargs, dts, validate=False):
+        if torch._C._current_autograd_node() is None:
+            _spec_args(self.op, args, kwargs)  # raises the mixing error
+        mesh = self.mesh
+
+        def conv(a):
+            return _fallback.wrap_replicated(a, mesh) if _is_plain(a) else a
+        return self.op(*tree_map(conv, list(args)), **tree_map(conv, dict(kwargs)))
+
+
 class _DecomposeDecision:
     """A rule chose to run a composition of DTensor ops instead of the op itself."""
 
@@ -434,6 +472,10 @@ class _OutDecision:
                                  f"has shape {tuple(res.shape)}; pass an out of the result's shape")
             if res._spec.placements != out._spec.placements or \
                     res._spec.shard_order != out._spec.shard_order:
+                if debug._EXPLICIT:
+                    debug.observe_implicit_redistribute(self.op, [(
+                        0, res._spec, out._spec, plan_redistribute(res._spec, out._spec).cost)],
+                        "the result is written into out= of other placements")
                 res = res.redistribute(out.device_mesh, out.placements)
             out._local_tensor.copy_(res._local_tensor)
         if returns_nothing:
@@ -455,7 +497,83 @@ def _functional_overload(op, packet_name=None):
              [str(a.type) for a in args]]
     if typed or cands:
         return (typed or cands)[0]
-    raise _no_rule_error(op, [])
+    return None
+
+
+# ------------------------------------------------------------------ ops without a rule
+class _FallbackDecision:
+    """No rule: run the op on whole tensors (see :mod:`._fallback`): replicated inputs as they
+    are, others gathered first (with a warning); writes into gathered inputs are written back."""
+
+    fast = False
+    __slots__ = ("op", "mesh", "targets", "written", "mutated", "view_src", "copies_view",
+                 "random")
+
+    def __init__(self, op, args, kwargs, dts, mesh):
+        _spec_args(op, args, kwargs)  # a plain (non-scalar) tensor among DTensors is an error
+        self.op = op
+        self.mesh = mesh
+        self.targets = _fallback.replicated_targets(dts)
+        self.written = _written_inputs(op, args, kwargs, dts)
+        self.mutated = self.written[0] if self.written else None
+        gathers = any(t is not None for t in self.targets)
+        if gathers and _INPLACE_VIEW in op.tags:
+            raise UnsupportedOpError(
+                f"{op} changes the view of a DTensor with placements "
+                f"{[list(dt.placements) for dt in dts]} in place and has no sharding rule; the "
+                "pieces cannot be re-viewed. Use the out-of-place op, or redistribute to "
+                "Replicate() first")
+        self.view_src = 0 if op.is_view and args and isinstance(args[0], DTensor) else None
+        self.copies_view = self.view_src is not None and self.targets[0] is not None
+        # a random op drawing on whole tensors gives one-process values when every rank's
+        # generator agrees (the check random ops with rules make, see ops/random.py)
+        self.random = torch.Tag.nondeterministic_seeded in op.tags
+
+    def run(self, args, kwargs, dts, validate=False):
+        if _COPIED_VIEWS:
+            _check_not_copied_view(self, dts)
+        op = self.op
+        locals_ = _fallback.gather_whole(op, dts, self.targets, warn=True)
+        if self.random:
+            ensure_rng_synced(self.mesh, kwargs.get("generator"))
+        it = iter(locals_)
+        out = op(*[_swap(a, it) for a in args], **{k: _swap(v, it) for k, v in kwargs.items()})
+        for j in self.written:
+            dt = dts[j]
+            if self.targets[j] is not None:
+                _fallback.write_back(op, dt, locals_[j])
+            elif tuple(dt._local_tensor.shape) != tuple(dt.shape) or \
+                    tuple(dt._local_tensor.stride()) != tuple(dt.stride()):
+                _rewrap_in_place(op, args, kwargs, dt)
+        out = _fallback.wrap_whole(out, self.mesh, dts, locals_)
+        if self.view_src is None:
+            return out
+        return _mark_if_copied_view(self, dts, out)
+
+
+def _written_inputs(op, args, kwargs, dts) -> tuple:
+    """Indices (in dts) of the DTensors that the op writes into (in-place self, out=, ...)."""
+    ids = set()
+    for k, arg in enumerate(op._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[k] if k < len(args) else kwargs.get(arg.name)
+        for v in (value if isinstance(value, (list, tuple)) else (value,)):
+            if isinstance(v, DTensor):
+                ids.add(id(v))
+    return tuple(j for j, dt in enumerate(dts) if id(dt) in ids)
+
+
+def _rewrap_in_place(op, args, kwargs, dt):
+    """A replicated DTensor whose local tensor the op re-shaped in place (an in-place view op,
+    resize_): its spec and wrapper follow the local tensor."""
+    loc = dt._local_tensor
+    dt._spec = DTensorSpec(dt._spec.mesh, dt._spec.placements,
+                           TensorMeta(loc.shape, tuple(loc.stride()), loc.dtype))
+    _set_wrapper_meta(op, args, kwargs)
+    if tuple(dt.shape) != tuple(loc.shape):
+        raise RuntimeError(f"{op}: the DTensor wrapper could not follow its local tensor's new "
+                           f"shape {tuple(loc.shape)} (it stayed {tuple(dt.shape)})")
 
 
 # ------------------------------------------------------------------ in-place view ops
@@ -479,8 +597,8 @@ def _inplace_view_decision(op, args, kwargs, dts):
             "no rank holds. Use view / reshape / permute / transpose (out of place), or "
             "full_tensor() and as_strided on the plain tensor")
     functional = _functional_overload(op, op._schema.name.split("::")[-1].rstrip("_"))
-    if _registry.get_rule(functional) is None:
-        raise _no_rule_error(op, dts)
+    if functional is None or _registry.get_rule(functional) is None:
+        return _FallbackDecision(op, args, kwargs, dts, x._spec.mesh)
     inner = _decide(functional, args, kwargs, dts)
     if not isinstance(inner, _Decision) or inner.out_kind != "tensor":
         raise _no_rule_error(op, dts)

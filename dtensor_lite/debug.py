@@ -20,7 +20,8 @@ from collections import defaultdict
 
 import torch
 
-__all__ = ["CommDebugMode"]
+__all__ = ["CommDebugMode", "ExplicitRedistributionContext", "strict_redistribute",
+           "FallbackRedistributeWarning", "ImplicitRedistributionError", "reset_fallback_warnings"]
 
 _ACTIVE: list["CommDebugMode"] = []
 
@@ -127,3 +128,105 @@ class CommDebugMode:
         self._hooks = []
         self._exit_hooks = {}
         return False
+
+
+# ---------------------------------------------------------------- implicit redistributes
+class FallbackRedistributeWarning(UserWarning):
+    """Warned once per (op, input placements) when an op without a sharding rule ran on
+    gathered (replicated) inputs: correct, but every rank moved and computed the whole tensors.
+    Filter it like any warning::
+
+        >>> warnings.filterwarnings("ignore", category=FallbackRedistributeWarning)
+    """
+
+
+_FALLBACK_WARNED: set = set()  # (op, input placements) already warned about
+
+
+def warn_fallback_once(key, message: str) -> None:
+    """Warn ``message`` as a FallbackRedistributeWarning the first time ``key`` comes by."""
+    if key not in _FALLBACK_WARNED:
+        _FALLBACK_WARNED.add(key)
+        import warnings
+        warnings.warn(message, FallbackRedistributeWarning, stacklevel=5)
+
+
+def reset_fallback_warnings() -> None:
+    """Warn again for every (op, placements) that already warned, e.g. in a test or after
+    registering new rules."""
+    _FALLBACK_WARNED.clear()
+
+
+class ImplicitRedistributionError(RuntimeError):
+    """Raised inside :class:`ExplicitRedistributionContext` for a redistribute the user did not
+    ask for (a rule's input redistribute or the no-rule fallback)."""
+
+
+_EXPLICIT: list["ExplicitRedistributionContext"] = []  # innermost last; empty on the hot path
+
+
+class ExplicitRedistributionContext:
+    """Refuse (or report) every redistribute that the user did not ask for.
+
+    Inside it, a redistribute that an op makes on its own -- an input a sharding rule wants in
+    other placements, the gather of the fallback for ops without a rule, an ``out=`` of other
+    placements than the result -- raises :class:`ImplicitRedistributionError` naming the op, the
+    placements and the bytes it would move; call ``.redistribute()`` yourself first to make it
+    explicit. Same arguments as ``torch.distributed.tensor.debug``'s context of this name:
+
+    * ``enable=False`` turns the check off (e.g. a region inside an enabled one);
+    * ``strict=False`` (default) lets redistributes that move no data pass (e.g. Replicate to
+      Shard, a local slice); ``strict=True`` refuses those too;
+    * ``mode="raise"`` (default) or ``"warn"`` (a :class:`UserWarning` instead of the error).
+
+    Contexts nest; the innermost decides. Backward passes run the same checks.
+
+    Example::
+
+        >>> with ExplicitRedistributionContext():
+        ...     y = x_sharded_dim1 @ w_sharded_dim1   # raises: mm would all-gather an input
+    """
+
+    def __init__(self, enable: bool = True, strict: bool = False, mode: str = "raise"):
+        if mode not in ("raise", "warn"):
+            raise ValueError(f"ExplicitRedistributionContext: mode must be 'raise' or 'warn', "
+                             f"got {mode!r}")
+        self.enable = enable
+        self.strict = strict
+        self.mode = mode
+
+    def __enter__(self):
+        _EXPLICIT.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _EXPLICIT.remove(self)
+        return False
+
+
+def strict_redistribute() -> ExplicitRedistributionContext:
+    """Every implicit redistribute raises, even those that move no data (a short name for
+    ``ExplicitRedistributionContext(strict=True)``)."""
+    return ExplicitRedistributionContext(strict=True)
+
+
+def describe_moves(moves) -> str:
+    """``moves``: (input index, src spec, dst spec, bytes) for each input that changes."""
+    return "; ".join(f"input {j}: {list(src.placements)} -> {list(dst.placements)} "
+                     f"({tuple(src.shape)}, {nbytes} bytes/rank)" for j, src, dst, nbytes in moves)
+
+
+def observe_implicit_redistribute(op, moves, why: str) -> None:
+    """Called (only while a context is active) before an op redistributes its inputs on its own;
+    ``moves`` as in :func:`describe_moves`."""
+    ctx = _EXPLICIT[-1]
+    total = sum(m[3] for m in moves)
+    if not ctx.enable or (not ctx.strict and total == 0):
+        return
+    msg = (f"{op}: implicit redistribute ({why}) inside ExplicitRedistributionContext, "
+           f"{total} bytes/rank in all: {describe_moves(moves)}. Redistribute the inputs "
+           "yourself first (x.redistribute(mesh, placements)), or leave the context")
+    if ctx.mode == "raise":
+        raise ImplicitRedistributionError(msg)
+    import warnings
+    warnings.warn(msg, stacklevel=3)

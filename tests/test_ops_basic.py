@@ -160,14 +160,16 @@ def test_inplace_and_like_ops():
 
 
 @distributed(world_size=2)
-def test_mixing_plain_tensor_and_missing_rule_errors():
+def test_mixing_plain_tensor_errors_and_missing_rule_warns():
     mesh = init_device_mesh("cpu", (2,))
     dx = distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)])
     with pytest.raises(ValueError, match="distribute_tensor"):
         dx + torch.randn(4, 4)
     torch.testing.assert_close((dx + torch.tensor(2.0)).full_tensor(), dx.full_tensor() + 2)
-    with pytest.raises(NotImplementedError, match="register_sharding"):
-        torch.linalg.eigh(dx)
+    with pytest.warns(UserWarning, match="no sharding rule.*register_sharding"):
+        vals = torch.linalg.eigvalsh(dx @ dx.T)  # no rule: gathered, correct, and said so
+    torch.testing.assert_close(vals.full_tensor(), torch.linalg.eigvalsh(
+        dx.full_tensor() @ dx.full_tensor().T))
 
 
 @distributed(world_size=4)

@@ -414,24 +414,8 @@ def _replicated_run(op):
     results: for ops whose output shape depends on the data (nonzero, masked_select, unique),
     which no shard layout can describe before the data is seen."""
     def run(*args, **kwargs):
-        from ..dtensor import DTensor
-        mesh = None
-
-        def conv(a):
-            nonlocal mesh
-            if isinstance(a, DTensor):
-                mesh = a._spec.mesh
-                return replicated_local(a)
-            if isinstance(a, (list, tuple)):
-                return type(a)(conv(x) for x in a)
-            return a
-        largs = [conv(a) for a in args]
-        lkwargs = {k: conv(v) for k, v in kwargs.items()}
-        out = op(*largs, **lkwargs)
-        if isinstance(out, torch.Tensor):
-            return wrap_replicated(out, mesh)
-        return type(out)(wrap_replicated(o, mesh) if isinstance(o, torch.Tensor) else o
-                         for o in out)
+        from .._fallback import run_on_whole  # lazily: the core imports the rule families
+        return run_on_whole(op, args, kwargs)
     return run
 
 
