@@ -16,9 +16,21 @@ used as cache keys on every dispatched op, so their hashes are computed once.
 """
 from __future__ import annotations
 
-__all__ = ["Placement", "Shard", "Replicate", "Partial", "_StridedShard"]
+__all__ = ["Placement", "Shard", "Replicate", "Partial", "_StridedShard", "REDUCE_OPS",
+           "LINEAR_REDUCE_OPS", "reductions_mix"]
 
-_REDUCE_OPS = ("sum", "avg", "max", "min")
+REDUCE_OPS = ("sum", "avg", "max", "min")
+# The Partial reductions that commute with linear maps (add, matmul, scaling). They also mix with
+# each other: a tensor may be Partial(sum) on one mesh dim and Partial(avg) on another, because
+# both reduce by addition (avg is sum scaled by 1/n). max and min mix with nothing but themselves.
+LINEAR_REDUCE_OPS = ("sum", "avg")
+
+
+def reductions_mix(reduce_ops) -> bool:
+    """Can Partials with these reductions coexist (in one placement list, or as the inputs of
+    one op decision)? The global value of e.g. Partial(sum) over Partial(max) is undefined."""
+    ops = set(reduce_ops)
+    return len(ops) <= 1 or ops <= set(LINEAR_REDUCE_OPS)
 
 
 class Placement:
@@ -157,9 +169,9 @@ class Partial(Placement):
     __slots__ = ("reduce_op",)
 
     def __init__(self, reduce_op: str = "sum"):
-        if reduce_op not in _REDUCE_OPS:
+        if reduce_op not in REDUCE_OPS:
             raise ValueError(
-                f"Partial reduce_op must be one of {_REDUCE_OPS}, got {reduce_op!r}")
+                f"Partial reduce_op must be one of {REDUCE_OPS}, got {reduce_op!r}")
         object.__setattr__(self, "reduce_op", reduce_op)
         object.__setattr__(self, "_hash", hash(("Partial", reduce_op)))
 
@@ -172,7 +184,7 @@ class Partial(Placement):
     @property
     def is_linear(self) -> bool:
         """sum and avg commute with linear maps (add, matmul, scaling); max and min do not."""
-        return self.reduce_op in ("sum", "avg")
+        return self.reduce_op in LINEAR_REDUCE_OPS
 
     def __eq__(self, other):
         return type(other) is Partial and other.reduce_op == self.reduce_op

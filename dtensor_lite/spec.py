@@ -19,7 +19,7 @@ import torch
 
 from . import _caches
 from .device_mesh import DeviceMesh
-from .placements import Partial, Placement, Replicate, Shard, _StridedShard
+from .placements import Partial, Placement, Replicate, Shard, _StridedShard, reductions_mix
 
 __all__ = ["TensorMeta", "DTensorSpec", "chunk_range", "contiguous_stride", "normalize_placements"]
 
@@ -75,7 +75,7 @@ def normalize_placements(placements, mesh: DeviceMesh, ndim: int | None) -> tupl
                 p = _StridedShard(d + ndim, p.split_factor) if type(p) is _StridedShard else Shard(d + ndim)
         out.append(p)
     partial_ops = {p.reduce_op for p in out if p.is_partial()}
-    if len(partial_ops) > 1 and not partial_ops <= {"sum", "avg"}:
+    if not reductions_mix(partial_ops):
         raise ValueError(f"placements {out} mix Partial reductions {sorted(partial_ops)}; the global "
                          "value of such a mix is not defined. Reduce one of them first "
                          "(redistribute it to Replicate)")

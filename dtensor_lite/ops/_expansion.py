@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+from ..placements import reductions_mix
 from ..spec import DTensorSpec
 from ._registry import FullStrategy, OpCall
 
@@ -30,7 +31,7 @@ def _estimate(spec: DTensorSpec, i: int, p, q) -> float:
         return 0.0
     if q.is_shard():
         return (n - 1) / n * local
-    if q.is_partial() and {p.reduce_op, q.reduce_op} <= {"sum", "avg"}:
+    if q.is_partial() and p.is_linear and q.is_linear:
         return 0.0
     return 2 * (n - 1) / n * local
 
@@ -106,7 +107,7 @@ def _partials_stay_compatible(chosen, outs, ins) -> bool:
             prev = (tuple(c[1]) + tuple(c[2]))[k] if k < len(c[1]) + len(c[2]) else None
             if prev is not None and prev.is_partial():
                 ops.add(prev.reduce_op)
-        if len(ops) > 1 and not ops <= {"sum", "avg"}:
+        if not reductions_mix(ops):
             return False
     return True
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ..placements import Partial, Replicate, Shard
+from ..placements import LINEAR_REDUCE_OPS, REDUCE_OPS, Partial, Replicate, Shard
 from ..spec import DTensorSpec, TensorMeta, contiguous_stride
 from ._registry import Decompose, intercept_composite, register_rule
 from .pointwise import choose, input_locations, target_spec, with_scalar_zeroing
@@ -32,7 +32,6 @@ from .tensor_ops import replicated_local, wrap_replicated, _replicated_run
 
 aten = torch.ops.aten
 R = Replicate()
-_LINEAR = ("sum", "avg")
 
 
 # ------------------------------------------------------------------ helpers
@@ -235,7 +234,7 @@ def _scatter(call):
         # one that does not keeps it, so the sum over ranks would count x where others wrote
         st.append(_strategy(locs, Partial("sum"), {0: Partial("sum"), 2: Shard(dim),
                                                    3: Shard(dim)}))
-    keeps = {None: ("sum", "avg", "max", "min"), "sum": _LINEAR, "amax": ("max",),
+    keeps = {None: REDUCE_OPS, "sum": LINEAR_REDUCE_OPS, "amax": ("max",),
              "amin": ("min",)}.get(red, ())
     for r in _partials(x, src):
         if r in keeps:
@@ -272,7 +271,7 @@ def _index_dim_write(call):
     if name == "index_reduce":  # colliding writes combine: only amax / amin keep a Partial
         keeps = {"amax": ("max",), "amin": ("min",)}.get(call.args[4], ())
     else:
-        keeps = _LINEAR if name == "index_add" else ("sum", "avg", "max", "min")
+        keeps = LINEAR_REDUCE_OPS if name == "index_add" else REDUCE_OPS
     st += [_strategy(locs, Partial(r), {0: Partial(r), 3: Partial(r)})
            for r in _partials(x, src) if r in keeps]
     full = choose(call, st)
@@ -406,7 +405,7 @@ def _index_put(call):
             placed = _block_placements(locs, indices, layout, b)
             placed.update({0: Partial("sum"), **value_placement(layout.start + b)})
             st.append(((Partial("sum"),), _ins(locs, placed)))
-    keeps = _LINEAR if accumulate else ("sum", "avg", "max", "min")
+    keeps = LINEAR_REDUCE_OPS if accumulate else REDUCE_OPS
     st += [((Partial(r),), _ins(locs, {0: Partial(r), 2: Partial(r)}))
            for r in _partials(x, vals) if r in keeps]
     full = choose(call, st)

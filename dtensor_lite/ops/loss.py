@@ -19,10 +19,10 @@ import functools
 
 import torch
 
-from ..placements import Partial, Replicate, Shard
+from ..placements import LINEAR_REDUCE_OPS, Partial, Replicate, Shard
 from ..spec import DTensorSpec
 from ._registry import register_rule
-from .nn import (LINEAR_PARTIALS, all_reduce_over, arg, choose, input_names, replace_args,
+from .nn import (all_reduce_over, arg, choose, input_names, replace_args,
                  sharding_mesh_dims, strategy, target_spec)
 
 aten = torch.ops.aten
@@ -184,7 +184,7 @@ def _elementwise_loss_backward(call):
         strategies.append(strategy(call, Shard(d), **ins))
     if reduction != NONE:  # linear in the (scalar) incoming gradient
         strategies += [strategy(call, Partial(op), grad_output=Partial(op))
-                       for op in LINEAR_PARTIALS]
+                       for op in LINEAR_REDUCE_OPS]
     full = choose(call, strategies)
     xspec = target_spec(call, full, input_names(call).index("self"))
     if reduction == MEAN and any(p.is_shard() for p in xspec.placements):

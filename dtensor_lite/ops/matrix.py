@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from ..placements import Partial, Replicate, Shard
+from ..placements import LINEAR_REDUCE_OPS, Partial, Replicate, Shard
 from ..spec import DTensorSpec
 from ._registry import Decompose, register_rule
 
@@ -25,7 +25,7 @@ def _mm_strategies(batch: int, extra_ins: int = 0, bias=None):
     cases += [(Shard(b), Shard(b), Shard(b)) for b in range(batch)]
     cases += [(Shard(out_m), Shard(m), R), (Shard(out_n), R, Shard(n_)),
               (Partial("sum"), Shard(k_a), Shard(k_b))]
-    for op in ("sum", "avg"):
+    for op in LINEAR_REDUCE_OPS:
         cases += [(Partial(op), Partial(op), R), (Partial(op), R, Partial(op))]
     strategies = []
     for out, a, b in cases:

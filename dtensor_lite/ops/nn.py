@@ -28,14 +28,13 @@ import itertools
 import torch
 
 from .. import collectives
-from ..placements import Partial, Replicate, Shard
+from ..placements import LINEAR_REDUCE_OPS, Partial, Replicate, Shard
 from ..spec import DTensorSpec, TensorMeta
 from ._registry import FullStrategy, register_rule
 
 aten = torch.ops.aten
 R = Replicate()
 P = Partial()
-LINEAR_PARTIALS = ("sum", "avg")  # the Partial reductions that commute with linear maps
 
 __all__ = ["arg", "input_names", "strategy", "choose", "target_spec", "sharding_mesh_dims",
            "all_reduce_over", "replace_args"]
@@ -131,7 +130,7 @@ def _embedding(call):
     strategies += [strategy(call, Shard(d), indices=Shard(d)) for d in range(nd)]
     strategies.append(strategy(call, Shard(nd), weight=Shard(1)))
     strategies.append(strategy(call, P, weight=Shard(0)))  # vocab-parallel: masked local lookup
-    strategies += [strategy(call, Partial(op), weight=Partial(op)) for op in LINEAR_PARTIALS]
+    strategies += [strategy(call, Partial(op), weight=Partial(op)) for op in LINEAR_REDUCE_OPS]
     full = choose(call, strategies)
     return _with_vocab_range(call, full, full_table_rows=weight.shape[0])
 
@@ -174,7 +173,7 @@ def _embedding_backward(call):
         strategies += [strategy(call, P, grad_output=Shard(d), indices=Shard(d))
                        for d in range(nd)]
     strategies.append(strategy(call, Shard(1), grad_output=Shard(nd)))
-    strategies += [strategy(call, Partial(op), grad_output=Partial(op)) for op in LINEAR_PARTIALS]
+    strategies += [strategy(call, Partial(op), grad_output=Partial(op)) for op in LINEAR_REDUCE_OPS]
     strategies.append(strategy(call, R))
     full = choose(call, strategies)
     width = grad.shape[-1]
@@ -236,7 +235,7 @@ def _norm_backward(call, row_inputs, n_param_grads):
         # the input grad keeps the row shard; weight/bias grads are sums over rows: Partial
         ins = {name: Shard(d) for name in row_inputs}
         strategies.append(strategy(call, (Shard(d),) + (P,) * n_param_grads, **ins))
-    for op in LINEAR_PARTIALS:  # every gradient is linear in grad_out
+    for op in LINEAR_REDUCE_OPS:  # every gradient is linear in grad_out
         strategies.append(strategy(call, (Partial(op),) * (1 + n_param_grads),
                                    grad_out=Partial(op)))
     return strategies
@@ -298,7 +297,7 @@ def _softmax_backward(call):
     out = call.inputs[1]
     dim = call.args[2] % max(out.ndim, 1)
     strategies = [((R,), (R, R))] + [((Shard(d),), (Shard(d), Shard(d))) for d in range(out.ndim)]
-    strategies += [((Partial(op),), (Partial(op), R)) for op in LINEAR_PARTIALS]  # linear in grad
+    strategies += [((Partial(op),), (Partial(op), R)) for op in LINEAR_REDUCE_OPS]  # linear in grad
     full = choose(call, strategies)
     reduce_dims = sharding_mesh_dims(full.ins[1], dim) if out.ndim else []
     if reduce_dims:
@@ -341,7 +340,7 @@ def _convolution(call):
     w_out, w_in = _conv_channel_dims(call)
     groups = arg(call, "groups")
     strategies = [strategy(call, R), strategy(call, Shard(0), input=Shard(0))]
-    for op in LINEAR_PARTIALS:  # linear in the input and in the weight (bias added once)
+    for op in LINEAR_REDUCE_OPS:  # linear in the input and in the weight (bias added once)
         strategies.append(strategy(call, Partial(op), input=Partial(op), bias=Partial(op)))
         strategies.append(strategy(call, Partial(op), weight=Partial(op), bias=Partial(op)))
     if groups == 1:
@@ -361,7 +360,7 @@ def _convolution_backward(call):
     strategies = [strategy(call, (R, R, R)),
                   strategy(call, (Shard(0), P, P), grad_output=Shard(0), input=Shard(0))]
     strategies += [strategy(call, (Partial(op),) * 3, grad_output=Partial(op))
-                   for op in LINEAR_PARTIALS]
+                   for op in LINEAR_REDUCE_OPS]
     if groups == 1:
         strategies.append(strategy(call, (P, Shard(w_out), Shard(0)), grad_output=Shard(1),
                                    weight=Shard(w_out)))

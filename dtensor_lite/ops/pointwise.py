@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..placements import Partial, Replicate, Shard
+from ..placements import LINEAR_REDUCE_OPS, Partial, Replicate, Shard, reductions_mix
 from ..spec import DTensorSpec
 from ._registry import Decompose, FullStrategy, get_rule, register_rule
 
@@ -144,7 +144,7 @@ def choose(call, strategies) -> FullStrategy:
     full = _expand(call, strategies, mutated)
     if _consistent(full):
         return full
-    for allowed in ({"sum", "avg"}, {"max"}, {"min"}, {"max", "min"}, set()):
+    for allowed in (set(LINEAR_REDUCE_OPS), {"max"}, {"min"}, {"max", "min"}, set()):
         subset = [s for s in strategies if _strategy_partials(s) <= allowed]
         try:
             full = _expand(call, subset, mutated)
@@ -165,8 +165,7 @@ def _consistent(full: FullStrategy) -> bool:
     for pl in list(full.outs) + list(full.ins):
         if pl is None:
             continue
-        ops = {p.reduce_op for p in pl if p is not None and p.is_partial()}
-        if len(ops) > 1 and not ops <= {"sum", "avg"}:
+        if not reductions_mix(p.reduce_op for p in pl if p is not None and p.is_partial()):
             return False
     return True
 
@@ -275,7 +274,7 @@ def _additive(call, ops, name):
     dts = _dt_positions(call, (0, 1))
     out = []
     for r in ops:
-        if r in ("sum", "avg"):
+        if r in LINEAR_REDUCE_OPS:
             out.append(_by_arg(call, Partial(r), {k: Partial(r) for k in dts}))
             continue
         for k in dts:
@@ -299,7 +298,7 @@ def _scaling(call, ops, name):
     factors = dts if name == "mul" else [k for k in dts if k == 0]
     out = []
     for r in ops:
-        if r in ("sum", "avg"):
+        if r in LINEAR_REDUCE_OPS:
             out += [_by_arg(call, Partial(r), {k: Partial(r)}) for k in factors]
         elif len(dts) == 1 and dts[0] == 0:
             c = _number(call.args[1]) if len(call.args) > 1 else None
@@ -326,7 +325,7 @@ def _cast_keeps(src: torch.dtype, dst: torch.dtype, r: str) -> bool:
         return True
     if torch.bool in (src, dst):
         return False  # bool(a + b) != bool(a) + bool(b), and not monotone for negatives
-    if r in ("sum", "avg"):
+    if r in LINEAR_REDUCE_OPS:
         if dst.is_floating_point or dst.is_complex:
             return True  # linear up to rounding (complex -> real drops a part linearly)
         # truncating floats is not linear; integer -> integer wraps linearly (sum only)
@@ -365,11 +364,11 @@ def _partial_strategies(call, name, ops) -> list:
         return _selecting(call, ops, (0, 2))
     if name == "lerp":
         return [_by_arg(call, Partial(r), {0: Partial(r), 1: Partial(r)})
-                for r in ops if r in ("sum", "avg")]
+                for r in ops if r in LINEAR_REDUCE_OPS]
     if name in ("addcmul", "addcdiv"):
         factors = (1, 2) if name == "addcmul" else (1,)
         return [_by_arg(call, Partial(r), {0: Partial(r), k: Partial(r)})
-                for r in ops if r in ("sum", "avg") for k in factors]
+                for r in ops if r in LINEAR_REDUCE_OPS for k in factors]
     if name in _MAXIMUM or (name == "clamp_min" and nd == 2):
         return _monotone_binary(call, ops, "max")
     if name in _MINIMUM or (name == "clamp_max" and nd == 2):

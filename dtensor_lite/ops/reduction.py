@@ -18,7 +18,7 @@ import math
 import torch
 
 from ..dtensor import DTensor, _redistribute_local
-from ..placements import Partial, Replicate, Shard
+from ..placements import LINEAR_REDUCE_OPS, Partial, Replicate, Shard
 from ..redistribute import plan_redistribute, run_plan
 from ..spec import DTensorSpec, TensorMeta
 from ._registry import Decompose, register_rule
@@ -125,7 +125,7 @@ def _sum(call):
     dim, keepdim = _sum_like_args(call) if call.op is not aten.nansum.default else (
         _arg(call, 1, "dim"), _arg(call, 2, "keepdim", False))
     # nansum is not linear in a Partial operand: NaN in one rank's share hides the others
-    keep = ("sum", "avg") if call.op is not aten.nansum.default else ()
+    keep = LINEAR_REDUCE_OPS if call.op is not aten.nansum.default else ()
     return reduction(spec, reduced_dims(dim, spec.ndim), keepdim, Partial("sum"), keep)
 
 
@@ -150,7 +150,7 @@ def _mean(call):
             # the global mean is sum over ranks of (local sum / global count): exact, and an
             # empty shard adds 0 instead of NaN
             return aten.sum.dim_IntList(x, list(dims), keepdim, dtype=dtype) / count
-    return reduction(spec, dims, keepdim, Partial("sum"), ("sum", "avg"), local_fn)
+    return reduction(spec, dims, keepdim, Partial("sum"), LINEAR_REDUCE_OPS, local_fn)
 
 
 # ------------------------------------------------------------------ max / min family
@@ -462,5 +462,5 @@ def _scan(call):
     linear = call.op is aten.cumsum.default
     n_out = 2 if call.op in (aten.cummax.default, aten.cummin.default) else 1
     ins = [R if (p.is_shard() and p.dim == d) or (p.is_partial() and not (
-        linear and p.reduce_op in ("sum", "avg"))) else p for p in spec.placements]
+        linear and p.is_linear)) else p for p in spec.placements]
     return full_strategy(spec, ins, [ins] * n_out, [spec.ndim] * n_out)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from .. import collectives
-from ..placements import Partial, Replicate, Shard
+from ..placements import LINEAR_REDUCE_OPS, REDUCE_OPS, Partial, Replicate, Shard, reductions_mix
 from ..spec import DTensorSpec, TensorMeta
 from ._registry import Decompose, FullStrategy, register_rule
 from .pointwise import _cast_keeps, choose, with_scalar_zeroing
@@ -151,8 +151,8 @@ def _src_can_be_partial(q, r, src_dtype, dst_dtype) -> bool:
         return True  # R -> P(r): zeros off coordinate 0 (sum) or the value everywhere; cast(0) = 0
     keeps = _cast_keeps(src_dtype, dst_dtype, r)
     if q.is_shard():  # S -> P pads with the reduction's identity, which a cast may not preserve
-        return keeps and (r in ("sum", "avg") or src_dtype == dst_dtype)
-    same = q.reduce_op == r or {q.reduce_op, r} <= {"sum", "avg"}
+        return keeps and (r in LINEAR_REDUCE_OPS or src_dtype == dst_dtype)
+    same = reductions_mix((q.reduce_op, r))
     return same and keeps
 
 
@@ -441,5 +441,5 @@ def _diagonal_replicated(call):
     # matrix on every rank (Partial inputs stay Partial: picking entries is linear).
     R = Replicate()
     strategies = [((R,), (R,))]
-    strategies += [((Partial(op),), (Partial(op),)) for op in ("sum", "avg", "max", "min")]
+    strategies += [((Partial(op),), (Partial(op),)) for op in REDUCE_OPS]
     return strategies

@@ -103,7 +103,7 @@ def _sharding(spec, d):
 
 
 def _linear_partials_only(spec) -> bool:
-    return all(p.reduce_op in ("sum", "avg") for p in spec.placements if p.is_partial())
+    return all(p.is_linear for p in spec.placements if p.is_partial())
 
 
 # ------------------------------------------------------------------ permutations
@@ -447,7 +447,7 @@ def _backward_placements(gspec, d_in_grad, out_dim_of):
         elif p.is_shard():
             ins.append(p)
             outs.append(Shard(out_dim_of(p.dim)))
-        elif p.is_partial() and p.reduce_op not in ("sum", "avg"):
+        elif p.is_partial() and not p.is_linear:
             ins.append(R)
             outs.append(R)
         else:
@@ -563,7 +563,7 @@ def _view_as_complex_or_real(call):
     last = spec.ndim - 1
     to_complex = call.op is aten.view_as_complex.default
     ins = [R if (p.is_shard() and to_complex and p.dim == last)
-           or (p.is_partial() and p.reduce_op not in ("sum", "avg")) else p
+           or (p.is_partial() and not p.is_linear) else p
            for p in spec.placements]
     op = call.op
     return full_strategy(spec, ins, [ins], [out_ndim], lambda x: _complex_view(x, op))

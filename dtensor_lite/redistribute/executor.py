@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .. import collectives as C
+from ..placements import LINEAR_REDUCE_OPS
 from ..spec import chunk_range
 from .planner import RedistributePlan, Step
 
@@ -24,7 +25,7 @@ def _pad_to(t: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 
 def _identity_value(op: str, dtype: torch.dtype):
-    if op in ("sum", "avg"):
+    if op in LINEAR_REDUCE_OPS:
         # -0.0, not 0.0: x + (-0.0) is x bit for bit (x + 0.0 turns -0.0 into +0.0), and the
         # planner takes S -> P(sum) -> R for small dims, which must be as exact as an all_gather
         return complex(-0.0, -0.0) if dtype.is_complex else -0.0 if dtype.is_floating_point else 0

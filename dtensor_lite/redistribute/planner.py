@@ -32,7 +32,7 @@ import heapq
 import math
 from dataclasses import dataclass, field
 
-from ..placements import Partial, Replicate, Shard
+from ..placements import Partial, Replicate, Shard, reductions_mix
 from ..spec import DTensorSpec, chunk_range
 from .. import _caches
 
@@ -154,7 +154,7 @@ def _transition(p, q, i, orders):
         return "all_reduce"
     if q.is_shard():
         return "reduce_scatter"
-    if {p.reduce_op, q.reduce_op} == {"sum", "avg"}:
+    if p != q and p.is_linear and q.is_linear:  # sum <-> avg: a local scale by n
         return "rescale"
     return None
 
@@ -171,8 +171,7 @@ def _apply(placements, orders, i, q):
 
 
 def _partials_compatible(placements) -> bool:
-    ops = [p.reduce_op for p in placements if p.is_partial()]
-    return len(set(ops)) <= 1 or set(ops) <= {"sum", "avg"}
+    return reductions_mix(p.reduce_op for p in placements if p.is_partial())
 
 
 def _search(src: DTensorSpec, dst: DTensorSpec):
