@@ -7,19 +7,26 @@ are equal-sized chunks: callers pad uneven shards (``torch.chunk`` layout makes 
 Group ranks follow sorted global ranks (``new_group`` sorts them) while meshes may list ranks in
 any order, so results are reordered into mesh-coordinate order where the two differ.
 
+Every collective is issued asynchronously and wrapped in a ``Pending``: ``async_op=True`` hands
+it back (``wait()`` blocks until the bytes arrived and returns the finished result), otherwise it
+is waited on at once. So one place sees when each collective was issued, how long the caller was
+blocked on it (exposed communication) and when it completed: ``debug.ExposedCommMode`` reads that.
+
 Cost model (bytes sent per rank; ``n`` = group size, ``c`` = one padded chunk in bytes):
   all_gather (n-1)*c · reduce_scatter (n-1)*c · all_reduce 2*(n-1)*ceil(numel/n)*itemsize ·
   all_to_all (n-1)*c · broadcast numel*itemsize · scatter (n-1)*c (the source's share).
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.distributed as dist
 
-from .debug import _ACTIVE, _record
+from .debug import _ACTIVE, _TIMERS, _record, _record_wait, _track_completion
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "scatter",
-           "broadcast_object", "all_reduce_cost", "flat_all_gather", "flat_reduce_scatter"]
+           "broadcast_object", "all_reduce_cost", "flat_all_gather", "flat_reduce_scatter", "Pending"]
 
 # torch 2.13 renamed the *_into_tensor / *_tensor collectives to *_single
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -61,6 +68,53 @@ def _report(kind: str, nbytes: int, n: int):
         _record(kind, nbytes, n)
 
 
+class Pending:
+    """A collective in flight. ``wait()`` blocks until it is done and returns its result (the
+    output tensor after any reordering / unwiring; None for FSDP's flat collectives, whose output
+    buffer the caller owns). ``then(fn)`` queues more local work to run on that result at wait.
+    Waiting twice returns the same result."""
+
+    __slots__ = ("_work", "_finish", "_kind", "_done", "_result", "_completed_at_wait")
+
+    def __init__(self, work, finish, kind: str):
+        self._work, self._finish, self._kind = work, finish, kind
+        self._done, self._result = False, None
+        self._completed_at_wait = _track_completion(work, kind) if _TIMERS and work else None
+
+    def then(self, fn) -> "Pending":
+        finish = self._finish
+        self._finish = lambda: fn(finish())
+        return self
+
+    def is_completed(self) -> bool:
+        return self._done or self._work is None or self._work.is_completed()
+
+    def wait(self):
+        if not self._done:
+            if self._work is not None:
+                start = time.perf_counter()
+                self._work.wait()
+                if _TIMERS:
+                    _record_wait(self._kind, time.perf_counter() - start)
+                if self._completed_at_wait is not None:  # its backend has no future for it
+                    self._completed_at_wait()
+            self._result = self._finish()
+            self._done = True
+            self._work = self._finish = self._completed_at_wait = None
+        return self._result
+
+
+def _launch(kind: str, work, finish, async_op: bool):
+    """The async issue of ``kind`` became ``work``; hand back a Pending or wait for it now."""
+    pending = Pending(work, finish, kind)
+    return pending if async_op else pending.wait()
+
+
+def _then(result, fn):
+    """``fn(result)``, now for a finished result, at wait for a Pending one."""
+    return result.then(fn) if isinstance(result, Pending) else fn(result)
+
+
 def _chunks_to_coord_order(out: torch.Tensor, dg) -> torch.Tensor:
     """``out`` holds n equal chunks along dim 0 in group-rank order; return coordinate order."""
     if dg.is_sorted:
@@ -79,46 +133,58 @@ def _chunks_to_group_order(inp: torch.Tensor, dg) -> torch.Tensor:
     return torch.cat([chunks[c] for c in coord_of_group])
 
 
-def all_gather(tensor: torch.Tensor, mesh, mesh_dim: int, gather_dim: int = 0) -> torch.Tensor:
-    """Concatenate every rank's equal-shaped ``tensor`` along ``gather_dim`` in mesh order."""
+def all_gather(tensor: torch.Tensor, mesh, mesh_dim: int, gather_dim: int = 0,
+               async_op: bool = False):
+    """Concatenate every rank's equal-shaped ``tensor`` along ``gather_dim`` in mesh order.
+    ``async_op``: return a ``Pending`` whose ``wait()`` gives that tensor."""
     dg = mesh._dim_group(mesh_dim)
     n = dg.size
     if n == 1:
-        return tensor
+        return _launch("all_gather", None, lambda: tensor, async_op)
     x = _wire(tensor.movedim(gather_dim, 0) if gather_dim else tensor)
     out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
-    _all_gather_single(out, x, group=dg.group)
+    work = _all_gather_single(out, x, group=dg.group, async_op=True)
     _report("all_gather", (n - 1) * x.numel() * x.element_size(), n)
-    out = _unwire(_chunks_to_coord_order(out, dg), tensor)
-    return out.movedim(0, gather_dim) if gather_dim else out
+
+    def finish():
+        res = _unwire(_chunks_to_coord_order(out, dg), tensor)
+        return res.movedim(0, gather_dim) if gather_dim else res
+    return _launch("all_gather", work, finish, async_op)
 
 
 def reduce_scatter(tensor: torch.Tensor, mesh, mesh_dim: int, reduce_op: str = "sum",
-                   scatter_dim: int = 0) -> torch.Tensor:
+                   scatter_dim: int = 0, async_op: bool = False):
     """Reduce ``tensor`` over the group; keep chunk ``coordinate`` of ``scatter_dim`` (size % n == 0)."""
     dg = mesh._dim_group(mesh_dim)
     n = dg.size
     if n == 1:
-        return _finish_avg(tensor.clone(), reduce_op, n)
+        return _launch("reduce_scatter", None, lambda: _finish_avg(tensor.clone(), reduce_op, n),
+                       async_op)
     x = _wire(tensor.movedim(scatter_dim, 0) if scatter_dim else tensor)
     x = _chunks_to_group_order(x, dg).contiguous()
     out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
-    _reduce_scatter_single(out, x, op=_REDUCE[reduce_op], group=dg.group)
+    work = _reduce_scatter_single(out, x, op=_REDUCE[reduce_op], group=dg.group, async_op=True)
     _report("reduce_scatter", (n - 1) * out.numel() * out.element_size(), n)
-    out = _finish_avg(_unwire(out, tensor), reduce_op, n)
-    return out.movedim(0, scatter_dim) if scatter_dim else out
+
+    def finish():
+        res = _finish_avg(_unwire(out, tensor), reduce_op, n)
+        return res.movedim(0, scatter_dim) if scatter_dim else res
+    return _launch("reduce_scatter", work, finish, async_op)
 
 
-def all_reduce(tensor: torch.Tensor, mesh, mesh_dim: int, reduce_op: str = "sum") -> torch.Tensor:
+def all_reduce(tensor: torch.Tensor, mesh, mesh_dim: int, reduce_op: str = "sum",
+               async_op: bool = False):
     """Out-of-place all-reduce over one mesh dim."""
     dg = mesh._dim_group(mesh_dim)
     n = dg.size
     if n == 1:
-        return _finish_avg(tensor.clone(), reduce_op, n)
+        return _launch("all_reduce", None, lambda: _finish_avg(tensor.clone(), reduce_op, n),
+                       async_op)
     x = _wire(tensor).clone()
-    dist.all_reduce(x, op=_REDUCE[reduce_op], group=dg.group)
+    work = dist.all_reduce(x, op=_REDUCE[reduce_op], group=dg.group, async_op=True)
     _report("all_reduce", all_reduce_cost(x.numel(), x.element_size(), n), n)
-    return _finish_avg(_unwire(x, tensor), reduce_op, n)
+    return _launch("all_reduce", work, lambda: _finish_avg(_unwire(x, tensor), reduce_op, n),
+                   async_op)
 
 
 def _finish_avg(t: torch.Tensor, reduce_op: str, n: int) -> torch.Tensor:
@@ -127,22 +193,25 @@ def _finish_avg(t: torch.Tensor, reduce_op: str, n: int) -> torch.Tensor:
     return t.div_(n) if t.is_floating_point() or t.is_complex() else t.div_(n, rounding_mode="floor")
 
 
-def all_to_all(tensor: torch.Tensor, mesh, mesh_dim: int, split_dim: int, cat_dim: int) -> torch.Tensor:
+def all_to_all(tensor: torch.Tensor, mesh, mesh_dim: int, split_dim: int, cat_dim: int,
+               async_op: bool = False):
     """Split ``split_dim`` into n equal pieces, send piece k to coordinate k, concatenate the
     received pieces along ``cat_dim`` in mesh order."""
     dg = mesh._dim_group(mesh_dim)
     n = dg.size
     if n == 1:
-        return tensor
+        return _launch("all_to_all", None, lambda: tensor, async_op)
     x = _wire(tensor.movedim(split_dim, 0))
     x = _chunks_to_group_order(x, dg).contiguous()
     out = torch.empty_like(x)
-    dist.all_to_all_single(out, x, group=dg.group)
+    work = dist.all_to_all_single(out, x, group=dg.group, async_op=True)
     _report("all_to_all", (n - 1) * (x.numel() // n) * x.element_size(), n)
-    out = _unwire(_chunks_to_coord_order(out, dg), tensor).movedim(0, split_dim)
-    # received pieces are stacked along split_dim; lay them side by side along cat_dim instead
-    pieces = out.chunk(n, dim=split_dim)
-    return torch.cat(pieces, dim=cat_dim)
+
+    def finish():
+        res = _unwire(_chunks_to_coord_order(out, dg), tensor).movedim(0, split_dim)
+        # received pieces are stacked along split_dim; lay them side by side along cat_dim
+        return torch.cat(res.chunk(n, dim=split_dim), dim=cat_dim)
+    return _launch("all_to_all", work, finish, async_op)
 
 
 def broadcast(tensor: torch.Tensor, mesh, mesh_dim: int, src_coord: int = 0) -> torch.Tensor:
@@ -153,7 +222,8 @@ def broadcast(tensor: torch.Tensor, mesh, mesh_dim: int, src_coord: int = 0) -> 
         return tensor
     x = _wire(tensor)
     src = dg.ranks[src_coord]
-    dist.broadcast(x, src=src, group=dg.group)
+    _launch("broadcast", dist.broadcast(x, src=src, group=dg.group, async_op=True), lambda: None,
+            False)
     _report("broadcast", x.numel() * x.element_size(), n)
     out = _unwire(x, tensor)
     if out is not tensor:
@@ -187,7 +257,8 @@ def scatter(chunks: list[torch.Tensor] | None, out: torch.Tensor, mesh, mesh_dim
     if dg.coordinate == src_coord:
         wired = [_wire(c) for c in chunks]
         scatter_list = [wired[dg.ranks.index(r)] for r in sorted(dg.ranks)]
-    dist.scatter(x, scatter_list, src=src, group=dg.group)
+    _launch("scatter", dist.scatter(x, scatter_list, src=src, group=dg.group, async_op=True),
+            lambda: None, False)
     _report("scatter", (n - 1) * x.numel() * x.element_size(), n)
     res = _unwire(x, out)
     if res is not out:
@@ -197,10 +268,11 @@ def scatter(chunks: list[torch.Tensor] | None, out: torch.Tensor, mesh, mesh_dim
 
 def flat_all_gather(out: torch.Tensor, inp: torch.Tensor, mesh, mesh_dim: int, async_op=False):
     """FSDP's batched all-gather: 1-D ``inp`` into 1-D ``out`` of n*len(inp), in mesh order
-    (requires a sorted mesh row; FSDP meshes always are)."""
+    (requires a sorted mesh row; FSDP meshes always are). ``async_op``: a ``Pending``."""
     dg = mesh._dim_group(mesh_dim)
     _report("all_gather", (dg.size - 1) * inp.numel() * inp.element_size(), dg.size)
-    return _all_gather_single(out, inp, group=dg.group, async_op=async_op)
+    work = _all_gather_single(out, inp, group=dg.group, async_op=True)
+    return _launch("all_gather", work, lambda: None, async_op)
 
 
 def flat_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, mesh, mesh_dim: int,
@@ -208,5 +280,5 @@ def flat_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, mesh, mesh_dim: in
     """FSDP's batched reduce-scatter of a flat gradient buffer (sum; callers pre/post-divide)."""
     dg = mesh._dim_group(mesh_dim)
     _report("reduce_scatter", (dg.size - 1) * out.numel() * out.element_size(), dg.size)
-    return _reduce_scatter_single(out, inp, op=_REDUCE[reduce_op], group=dg.group,
-                                      async_op=async_op)
+    work = _reduce_scatter_single(out, inp, op=_REDUCE[reduce_op], group=dg.group, async_op=True)
+    return _launch("reduce_scatter", work, lambda: None, async_op)

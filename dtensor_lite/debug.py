@@ -16,14 +16,18 @@ actually ran::
 """
 from __future__ import annotations
 
+import threading
+import time
 from collections import defaultdict
 
 import torch
 
-__all__ = ["CommDebugMode", "ExplicitRedistributionContext", "strict_redistribute",
-           "FallbackRedistributeWarning", "ImplicitRedistributionError", "reset_fallback_warnings"]
+__all__ = ["CommDebugMode", "ExposedCommMode", "ExplicitRedistributionContext",
+           "strict_redistribute", "FallbackRedistributeWarning", "ImplicitRedistributionError",
+           "reset_fallback_warnings"]
 
 _ACTIVE: list["CommDebugMode"] = []
+_TIMERS: list["ExposedCommMode"] = []
 
 
 def _record(kind: str, nbytes: int, group_size: int):
@@ -230,3 +234,93 @@ def observe_implicit_redistribute(op, moves, why: str) -> None:
         raise ImplicitRedistributionError(msg)
     import warnings
     warnings.warn(msg, stacklevel=3)
+
+
+# --------------------------------------------------------------------------- exposed communication
+def _record_wait(kind: str, seconds: float):
+    """The collectives layer: this thread was blocked ``seconds`` waiting for a ``kind``."""
+    for timer in _TIMERS:
+        timer._add_wait(kind, seconds)
+
+
+def _track_completion(work, kind: str):
+    """The collectives layer issued ``work``: note when it completes, so the time it was in
+    flight is known whether or not anyone waited on it yet. Returns None when the backend tells
+    completion through the work's future, else the callback to run once ``wait()`` returned."""
+    issued = time.perf_counter()
+    timers = list(_TIMERS)
+
+    def done():
+        end = time.perf_counter()
+        for timer in timers:
+            timer._add_flight(kind, end - issued)
+    return None if on_completion(work, done) else done
+
+
+def on_completion(work, callback) -> bool:
+    """Arrange ``callback()`` to run (on the backend's thread) when the c10d ``work`` completes;
+    False where its backend has no future for it (gloo's reduce-scatter, which does not
+    progress before ``wait()`` either): the caller then calls it after ``wait()``."""
+    try:
+        work.get_future().then(lambda _future: callback())
+    except RuntimeError:
+        return False
+    return True
+
+
+class ExposedCommMode:
+    """Context manager measuring how much communication a rank *waits for* (exposed) against how
+    long its collectives were in flight (total), for everything issued through dtensor_lite
+    (redistributes, op resharding, FSDP's all-gathers and reduce-scatters).
+
+    * ``exposed_s``: seconds this rank's thread was blocked in ``wait()`` on a collective -- a
+      synchronous collective waits right after issuing it, so all of it is exposed; a prefetched
+      or ``async_op=True`` one that finished behind compute costs (almost) nothing here.
+    * ``total_s``: seconds from issue to completion, summed over collectives (completion as the
+      backend reports it, on its own thread). ``exposed_s / total_s`` is the share not hidden.
+    * ``by_kind()``: ``{kind: {"count", "exposed_s", "total_s"}}``.
+
+    Times are host wall-clock: on CUDA, ``wait()`` only orders streams and returns at once, so
+    use the profiler there. Example::
+
+        >>> with ExposedCommMode() as comm:
+        ...     loss = model(x).sum(); loss.backward()
+        >>> print(f"{comm.exposed_s * 1e3:.1f} ms of {comm.total_s * 1e3:.1f} ms exposed")
+    """
+
+    def __init__(self):
+        self._lock = threading.Lock()  # completion callbacks run on the backend's threads
+        self._waits: dict[str, float] = defaultdict(float)
+        self._flights: dict[str, float] = defaultdict(float)
+        self._counts: dict[str, int] = defaultdict(int)
+
+    def _add_wait(self, kind, seconds):
+        self._waits[kind] += seconds
+
+    def _add_flight(self, kind, seconds):
+        with self._lock:
+            self._flights[kind] += seconds
+            self._counts[kind] += 1
+
+    @property
+    def exposed_s(self) -> float:
+        return sum(self._waits.values())
+
+    @property
+    def total_s(self) -> float:
+        with self._lock:
+            return sum(self._flights.values())
+
+    def by_kind(self) -> dict[str, dict[str, float]]:
+        with self._lock:
+            kinds = set(self._waits) | set(self._flights)
+            return {k: {"count": self._counts.get(k, 0), "exposed_s": self._waits.get(k, 0.0),
+                        "total_s": self._flights.get(k, 0.0)} for k in sorted(kinds)}
+
+    def __enter__(self):
+        _TIMERS.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _TIMERS.remove(self)
+        return False

@@ -33,7 +33,9 @@ class DTensor(torch.Tensor):
 
     _local_tensor: torch.Tensor
     _spec: DTensorSpec
-    __slots__ = ("_local_tensor", "_spec")
+    # _pending: a collective still in flight (redistribute(async_op=True)); _local_tensor stays
+    # unset until first use, when __getattr__ waits for it
+    __slots__ = ("_local_tensor", "_spec", "_pending")
 
     # Plain torch functions go straight to aten; every decision is made in __torch_dispatch__.
     __torch_function__ = torch._C._disabled_torch_function_impl
@@ -51,6 +53,29 @@ class DTensor(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         return _dispatch.dispatch(func, args, kwargs)
+
+    @staticmethod
+    def _from_pending(pending, spec: DTensorSpec, like: torch.Tensor) -> "DTensor":
+        """A DTensor whose local piece is the result of ``pending`` (a ``collectives.Pending``),
+        waited for at the first use of ``_local_tensor`` -- any op, to_local, a redistribute."""
+        r = DTensor(like, spec)  # ``like``: a tensor on the right device, for the wrapper only
+        del r._local_tensor
+        r._pending = pending
+        return r
+
+    def __getattr__(self, name):
+        # reached only when normal lookup fails: for _local_tensor, while a collective is pending
+        if name == "_local_tensor":
+            try:
+                pending = object.__getattribute__(self, "_pending")
+            except AttributeError:
+                pending = None
+            if pending is not None:
+                local = pending.wait()
+                self._local_tensor = local
+                self._pending = None
+                return local
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
 
     def __repr__(self):
         return (f"DTensor(local_tensor={self._local_tensor}, device_mesh={self._spec.mesh}, "
@@ -143,7 +168,10 @@ class DTensor(torch.Tensor):
                      async_op: bool = False) -> "DTensor":
         """The same global tensor with new ``placements``, at the least communication.
 
-        ``async_op`` is accepted for API compatibility; collectives complete before return.
+        ``async_op=True`` returns as soon as the plan's last collective is *issued*: the result's
+        local piece waits for it at its first use (any op on it, ``to_local``, a further
+        redistribute), so compute placed in between overlaps with the communication. Its
+        backward redistributes the gradient the same way. Values equal the synchronous path.
 
         Example::
 
@@ -151,7 +179,7 @@ class DTensor(torch.Tensor):
             >>> print(explain_redistribute(x, mesh, [Replicate(), Shard(1)]))  # the plan
         """
         dst = _target_spec(self._spec, device_mesh, placements)
-        return _Redistribute.apply(self, dst)
+        return _Redistribute.apply(self, dst, bool(async_op))
 
     def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
         """The whole global tensor on every rank (a plain tensor). Differentiable."""
@@ -192,13 +220,21 @@ def _as_grad_dtensor(grad, spec: DTensorSpec) -> "DTensor":
         "DTensor loss, or distribute the gradient with the same mesh)")
 
 
-def _redistribute_local(dt: "DTensor", dst: DTensorSpec) -> torch.Tensor:
+def _redistribute_local(dt: "DTensor", dst: DTensorSpec, async_op: bool = False):
+    """``dt``'s local piece laid out as ``dst``; with ``async_op`` maybe a ``Pending`` of it."""
     src = dt._spec
     if src == dst:
         return dt._local_tensor
     if src.tensor_meta != dst.tensor_meta:
         src = DTensorSpec(src.mesh, src.placements, dst.tensor_meta, src.shard_order)
-    return run_plan(dt._local_tensor, plan_redistribute(src, dst))
+    return run_plan(dt._local_tensor, plan_redistribute(src, dst), async_op)
+
+
+def _redistributed(dt: "DTensor", dst: DTensorSpec, async_op: bool) -> "DTensor":
+    out = _redistribute_local(dt, dst, async_op)
+    if isinstance(out, torch.Tensor):
+        return DTensor(out.view_as(out) if out is dt._local_tensor else out, dst)
+    return DTensor._from_pending(out, dst, dt._local_tensor)
 
 
 class _FromLocal(torch.autograd.Function):
@@ -266,18 +302,15 @@ class _ToLocal(torch.autograd.Function):
 
 class _Redistribute(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, dt, dst):
-        ctx.src = dt._spec
-        out = _redistribute_local(dt, dst)
-        if out is dt._local_tensor:
-            out = out.view_as(out)
-        return DTensor(out, dst)
+    def forward(ctx, dt, dst, async_op):
+        ctx.src, ctx.async_op = dt._spec, async_op
+        return _redistributed(dt, dst, async_op)
 
     @staticmethod
     def backward(ctx, grad):
         grad = _as_grad_dtensor(grad, ctx.src)
         target = _grad_target(ctx.src, grad._spec)
-        return DTensor(_redistribute_local(grad, target), target), None
+        return _redistributed(grad, target, ctx.async_op), None, None
 
 
 _DEFAULT_MESHES: dict = _caches.register({})  # device type -> 1-D world mesh

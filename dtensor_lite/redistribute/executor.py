@@ -37,7 +37,11 @@ def _identity_value(op: str, dtype: torch.dtype):
     return info.min if op == "max" else info.max
 
 
-def _run_step(x: torch.Tensor, step: Step) -> torch.Tensor:
+_COLLECTIVE_STEPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
+
+
+def _run_step(x: torch.Tensor, step: Step, async_op: bool = False):
+    """One step on this rank's piece. ``async_op`` (collective steps only): a ``Pending``."""
     mesh = step.before.mesh
     i = step.mesh_dim
     n = mesh.shape[i]
@@ -48,21 +52,22 @@ def _run_step(x: torch.Tensor, step: Step) -> torch.Tensor:
         d = step.src.dim
         parent = after_shape[d]
         x = _pad_to(x, d, -(-parent // n))
-        return C.all_gather(x, mesh, i, gather_dim=d).narrow(d, 0, parent)
+        return C._then(C.all_gather(x, mesh, i, gather_dim=d, async_op=async_op),
+                       lambda out: out.narrow(d, 0, parent))
     if kind == "reduce_scatter":
         d = step.dst.dim
         x = _pad_to(x, d, n * -(-before_shape[d] // n))
-        out = C.reduce_scatter(x, mesh, i, step.src.reduce_op, scatter_dim=d)
-        return out.narrow(d, 0, after_shape[d])
+        out = C.reduce_scatter(x, mesh, i, step.src.reduce_op, scatter_dim=d, async_op=async_op)
+        return C._then(out, lambda out: out.narrow(d, 0, after_shape[d]))
     if kind == "all_reduce":
-        return C.all_reduce(x, mesh, i, step.src.reduce_op)
+        return C.all_reduce(x, mesh, i, step.src.reduce_op, async_op=async_op)
     if kind == "all_to_all":
         d, e = step.src.dim, step.dst.dim
         parent_d = after_shape[d]
         x = _pad_to(x, d, -(-parent_d // n))
         x = _pad_to(x, e, n * -(-before_shape[e] // n))
-        out = C.all_to_all(x, mesh, i, split_dim=e, cat_dim=d)
-        return out.narrow(d, 0, parent_d).narrow(e, 0, after_shape[e])
+        out = C.all_to_all(x, mesh, i, split_dim=e, cat_dim=d, async_op=async_op)
+        return C._then(out, lambda out: out.narrow(d, 0, parent_d).narrow(e, 0, after_shape[e]))
     coord = mesh.get_coordinate()[i]
     if kind == "chunk":
         d = step.dst.dim
@@ -89,12 +94,26 @@ def _chunk_start(length, n, coord):
     return chunk_range(length, n, coord)
 
 
-def run_plan(local: torch.Tensor, plan: RedistributePlan) -> torch.Tensor:
-    """Apply ``plan`` to this rank's ``local`` tensor; the result never aliases ``local``."""
+def run_plan(local: torch.Tensor, plan: RedistributePlan, async_op: bool = False):
+    """Apply ``plan`` to this rank's ``local`` tensor; the result never aliases ``local``.
+
+    ``async_op``: every step up to the plan's last collective runs now, that collective is only
+    issued, and a ``collectives.Pending`` comes back whose ``wait()`` finishes it and runs the
+    steps after it (a plan without a collective returns its result directly)."""
+    steps = plan.steps
+    last = max((k for k, s in enumerate(steps) if s.kind in _COLLECTIVE_STEPS), default=-1)
     x = local
-    for step in plan.steps:
+    for k, step in enumerate(steps):
+        if async_op and k == last:
+            return _run_step(x, step, async_op=True).then(
+                lambda out: _finish_plan(out, steps[k + 1:], local))
         x = _run_step(x, step)
-    if plan.steps and x.untyped_storage().data_ptr() == local.untyped_storage().data_ptr() \
-            and local.numel() > 0:
+    return _finish_plan(x, (), local) if steps else x
+
+
+def _finish_plan(x: torch.Tensor, steps, local: torch.Tensor) -> torch.Tensor:
+    for step in steps:
+        x = _run_step(x, step)
+    if x.untyped_storage().data_ptr() == local.untyped_storage().data_ptr() and local.numel() > 0:
         x = x.clone()  # a plan of only local slices must not hand back a view of its input
     return x
