@@ -27,6 +27,7 @@ from .dtensor import DTensor, _redistribute_local
 from .ops import _registry
 from .ops._expansion import expand_strategies
 from .ops._registry import Decompose, FullStrategy, OpCall
+from .ops.kit import target_spec
 from .ops.random import ensure_rng_synced
 from .redistribute import plan_redistribute
 from .spec import DTensorSpec, TensorMeta
@@ -361,13 +362,7 @@ def _decide(op, args, kwargs, dts) -> _Decision:
     d.local_fn = full.local_fn or getattr(op, "_op", op)
     targets = []
     for j, spec in enumerate(inputs):
-        want = full.ins[j]
-        order = full.in_orders[j] if full.in_orders is not None else None
-        if want is None:
-            targets.append(None)
-            continue
-        tgt = DTensorSpec(mesh, want, spec.tensor_meta, order if order is not None else (
-            spec.shard_order if tuple(want) == spec.placements else None))
+        tgt = target_spec(call, full, j)
         targets.append(None if tgt == spec else tgt)
     if mutated is not None and targets[mutated] is not None:
         raise RuntimeError(
@@ -679,6 +674,3 @@ def _out_spec(mesh, placements, meta: torch.Tensor, order):
     return DTensorSpec(mesh, placements, TensorMeta(meta.shape, tuple(meta.stride()), meta.dtype),
                        order)
 
-
-# per-mesh-dim expansion lives with the rule API (rules call it too); the old name stays for them
-_expand = expand_strategies

@@ -19,7 +19,7 @@ import torch
 
 from . import _caches
 from .device_mesh import DeviceMesh
-from .placements import Partial, Placement, Replicate, Shard, _StridedShard, reductions_mix
+from .placements import Placement, Replicate, Shard, _StridedShard, reductions_mix
 
 __all__ = ["TensorMeta", "DTensorSpec", "chunk_range", "contiguous_stride", "normalize_placements"]
 

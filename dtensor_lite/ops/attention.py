@@ -44,7 +44,8 @@ from torch.utils._pytree import tree_flatten
 from ..placements import Partial, Replicate, Shard
 from ..spec import DTensorSpec, TensorMeta
 from ._registry import Decompose, intercept_composite, register_rule
-from .nn import arg, choose, input_names, sharding_mesh_dims, strategy, target_spec
+from .kit import arg, choose, input_names, strategy, target_spec
+from .nn import sharding_mesh_dims
 
 aten = torch.ops.aten
 R = Replicate()

@@ -22,6 +22,7 @@ from ..placements import Replicate
 from ..spec import DTensorSpec
 from ._registry import (Decompose, FullStrategy, OpCall, get_rule, key_scalars_by_value,
                         register_rule)
+from ._expansion import expand_strategies
 from .pointwise import reads_number_signs_only
 
 aten = torch.ops.aten
@@ -192,7 +193,6 @@ def foreach_rule(call: OpCall):
     elem_op, elem_inplace = elem
     if not reads_number_signs_only(elem_op):
         key_scalars_by_value(call.op)  # the element rule may read values: so must the cache
-    from .._dispatch import _expand  # the dispatcher imports this package: import lazily
     s_args, s_kwargs = _slotted(call.args, call.kwargs)
     n = _list_length(s_args, info)
     ins = [None] * len(call.inputs)
@@ -210,7 +210,7 @@ def foreach_rule(call: OpCall):
         try:
             result = get_rule(elem_op)(e_call)
             if not isinstance(result, (FullStrategy, Decompose)):
-                result = _expand(e_call, list(result), mutated)
+                result = expand_strategies(e_call, list(result), mutated)
         except RuntimeError as e:
             raise RuntimeError(f"{call.op}, list element {k}: {e}") from e
         if isinstance(result, Decompose) or (isinstance(result, FullStrategy)

@@ -27,7 +27,8 @@ import torch
 from ..placements import LINEAR_REDUCE_OPS, REDUCE_OPS, Partial, Replicate, Shard
 from ..spec import DTensorSpec, TensorMeta, contiguous_stride
 from ._registry import Decompose, intercept_composite, register_rule
-from .pointwise import choose, input_locations, target_spec, with_scalar_zeroing
+from .kit import choose, input_locations, target_spec
+from .pointwise import with_scalar_zeroing
 from .tensor_ops import replicated_local, wrap_replicated, _replicated_run
 
 aten = torch.ops.aten

@@ -22,8 +22,8 @@ import torch
 from ..placements import LINEAR_REDUCE_OPS, Partial, Replicate, Shard
 from ..spec import DTensorSpec
 from ._registry import register_rule
-from .nn import (all_reduce_over, arg, choose, input_names, replace_args,
-                 sharding_mesh_dims, strategy, target_spec)
+from .kit import arg, choose, input_names, replace_args, strategy, target_spec
+from .nn import all_reduce_over, sharding_mesh_dims
 
 aten = torch.ops.aten
 R = Replicate()

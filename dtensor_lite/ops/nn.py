@@ -30,74 +30,17 @@ import torch
 from .. import collectives
 from ..placements import LINEAR_REDUCE_OPS, Partial, Replicate, Shard
 from ..spec import DTensorSpec, TensorMeta
-from ._registry import FullStrategy, register_rule
+from ._registry import register_rule
+from .kit import arg, choose, input_names, strategy, target_spec
 
 aten = torch.ops.aten
 R = Replicate()
 P = Partial()
 
-__all__ = ["arg", "input_names", "strategy", "choose", "target_spec", "sharding_mesh_dims",
-           "all_reduce_over", "replace_args"]
+__all__ = ["sharding_mesh_dims", "all_reduce_over"]
 
 
 # ----------------------------------------------------------------------------- shared helpers
-def arg(call, name):
-    """The value of argument ``name`` (positional or keyword; the schema default if omitted)."""
-    for k, a in enumerate(call.op._schema.arguments):
-        if a.name == name:
-            if k < len(call.args):
-                return call.args[k]
-            if name in call.kwargs:
-                return call.kwargs[name]
-            return a.default_value if a.has_default_value() else None
-    raise KeyError(f"{call.op} has no argument {name!r}")
-
-
-def input_names(call) -> list[str]:
-    """Schema names of the DTensor inputs, in ``call.inputs`` order."""
-    schema = call.op._schema.arguments
-    names = []
-    for k, a in enumerate(call.args):
-        if isinstance(a, DTensorSpec):
-            names.append(schema[k].name)
-    for name, v in call.kwargs.items():
-        if isinstance(v, DTensorSpec):
-            names.append(name)
-    return names
-
-
-def strategy(call, outs, **ins):
-    """One per-mesh-dim strategy with input placements given by argument name.
-
-    DTensor inputs not named are Replicate; a name given ``None`` keeps its input as it is; names
-    of absent optional inputs (a ``None`` bias) are ignored."""
-    names = input_names(call)
-    return (outs, tuple(ins.get(n, R) for n in names))
-
-
-def choose(call, strategies, local_fn=None) -> FullStrategy:
-    """The dispatcher's own per-mesh-dim choice (cheapest per dim), with ``local_fn`` attached.
-
-    Used where the local computation depends on the chosen placements (a vocab offset, a
-    collective over the mesh dims that shard a reduced dim)."""
-    from .._dispatch import _expand  # lazily: the dispatcher imports this package
-    full = _expand(call, list(strategies), None)
-    full.local_fn = local_fn
-    return full
-
-
-def target_spec(call, full: FullStrategy, j: int) -> DTensorSpec:
-    """The spec input ``j`` will have when the local function runs (as the dispatcher makes it)."""
-    spec = call.inputs[j]
-    want = full.ins[j]
-    if want is None:
-        return spec
-    order = full.in_orders[j] if full.in_orders is not None else None
-    if order is None and tuple(want) == spec.placements:
-        order = spec.shard_order
-    return DTensorSpec(call.mesh, want, spec.tensor_meta, order)
-
-
 def sharding_mesh_dims(placements, dim: int) -> list[int]:
     return [i for i, p in enumerate(placements) if p.is_shard(dim)]
 
@@ -107,18 +50,6 @@ def all_reduce_over(t: torch.Tensor, mesh, mesh_dims, reduce_op: str) -> torch.T
     for i in mesh_dims:
         t = collectives.all_reduce(t, mesh, i, reduce_op)
     return t
-
-
-def replace_args(op, args, kwargs, **changes):
-    """``(args, kwargs)`` of an aten call with some arguments (by schema name) replaced."""
-    args, kwargs = list(args), dict(kwargs)
-    for k, a in enumerate(op._schema.arguments):
-        if a.name in changes:
-            if k < len(args):
-                args[k] = changes[a.name]
-            else:
-                kwargs[a.name] = changes[a.name]
-    return args, kwargs
 
 
 # ----------------------------------------------------------------------------- embedding

@@ -22,15 +22,15 @@ from __future__ import annotations
 
 import torch
 
-from ..placements import LINEAR_REDUCE_OPS, Partial, Replicate, Shard, reductions_mix
+from ..placements import LINEAR_REDUCE_OPS, Partial, Replicate, Shard
 from ..spec import DTensorSpec
 from ._registry import Decompose, FullStrategy, get_rule, register_rule
+from .kit import arg_at, choose, input_locations
 
 aten = torch.ops.aten
 R = Replicate()
 
-__all__ = ["pointwise_strategies", "choose", "mutated_input", "input_locations",
-           "with_scalar_zeroing", "reads_number_signs_only", "POINTWISE_OPS"]
+__all__ = ["pointwise_strategies", "with_scalar_zeroing", "reads_number_signs_only", "POINTWISE_OPS"]
 
 _FLIP = {"sum": "sum", "avg": "avg", "max": "min", "min": "max"}
 _NUMBER = (int, float, bool, complex)
@@ -111,75 +111,6 @@ def _discover():
 
 
 # ------------------------------------------------------------------ shared helpers
-def input_locations(call) -> list:
-    """Where each DTensor input sits, in the dispatcher's flattening order: ``(k,)`` for
-    ``args[k]``, ``(k, m)`` for ``args[k][m]``, ``(name,)`` / ``(name, m)`` for kwargs."""
-    locs = []
-    for key, a in list(enumerate(call.args)) + list(call.kwargs.items()):
-        if isinstance(a, DTensorSpec):
-            locs.append((key,))
-        elif isinstance(a, (list, tuple)):
-            locs += [(key, m) for m, x in enumerate(a) if isinstance(x, DTensorSpec)]
-    return locs
-
-
-def mutated_input(call):
-    """Index in ``call.inputs`` of the DTensor an in-place op writes (its ``self``), else None."""
-    schema = call.op._schema
-    first = schema.arguments[0] if schema.arguments else None
-    if (first is not None and first.alias_info is not None and first.alias_info.is_write
-            and call.args and isinstance(call.args[0], DTensorSpec)):
-        return 0
-    return None
-
-
-def choose(call, strategies) -> FullStrategy:
-    """Per-mesh-dim choice among ``strategies`` as the dispatcher makes it (for rules whose local
-    computation depends on what was chosen), never mixing Partial(max|min) with another
-    reduction on one tensor: mesh dims choose independently, and P(max) on one with P(avg) on
-    another has no meaning. Such a mix is retried with one family of Partial strategies."""
-    from .._dispatch import _expand  # the dispatcher imports this package: import lazily
-    strategies = list(strategies)
-    mutated = mutated_input(call)
-    full = _expand(call, strategies, mutated)
-    if _consistent(full):
-        return full
-    for allowed in (set(LINEAR_REDUCE_OPS), {"max"}, {"min"}, {"max", "min"}, set()):
-        subset = [s for s in strategies if _strategy_partials(s) <= allowed]
-        try:
-            full = _expand(call, subset, mutated)
-        except RuntimeError:  # an in-place destination needs a Partial this family lacks
-            continue
-        if _consistent(full):
-            return full
-    raise RuntimeError(f"{call.op}: no consistent placements for inputs {call.inputs}")
-
-
-def _strategy_partials(strategy) -> set:
-    outs, ins = strategy
-    outs = outs if isinstance(outs, (tuple, list)) else (outs,)
-    return {p.reduce_op for p in list(outs) + list(ins) if p is not None and p.is_partial()}
-
-
-def _consistent(full: FullStrategy) -> bool:
-    for pl in list(full.outs) + list(full.ins):
-        if pl is None:
-            continue
-        if not reductions_mix(p.reduce_op for p in pl if p is not None and p.is_partial()):
-            return False
-    return True
-
-
-def target_spec(call, full: FullStrategy, j: int) -> DTensorSpec:
-    """Input j's spec after the redistribution ``full`` asks for (what local_fn will see)."""
-    spec = call.inputs[j]
-    want = full.ins[j]
-    if want is None or tuple(want) == spec.placements:
-        return spec
-    order = full.in_orders[j] if full.in_orders is not None else None
-    return DTensorSpec(spec.mesh, want, spec.tensor_meta, order)
-
-
 def _zero_like(v):
     if isinstance(v, torch.Tensor):
         return torch.zeros_like(v)
@@ -196,7 +127,8 @@ def with_scalar_zeroing(call, full: FullStrategy, value_slots) -> FullStrategy:
     coord = call.mesh.get_coordinate()
     if all(coord[i] == 0 for i in sum_dims):
         return full
-    zero = [s for s in value_slots if _is_scalar(_get(call, s))]
+    zero = [s for s in value_slots
+            if _is_scalar(arg_at(call, s) if isinstance(s, int) else arg_at(call, None, s))]
     if not zero:
         return full
     op = full.local_fn or call.op
@@ -211,12 +143,6 @@ def with_scalar_zeroing(call, full: FullStrategy, value_slots) -> FullStrategy:
         return op(*args, **kwargs)
 
     return FullStrategy(full.outs, full.ins, local_fn, full.out_orders, full.in_orders)
-
-
-def _get(call, slot):
-    if isinstance(slot, int):
-        return call.args[slot] if slot < len(call.args) else None
-    return call.kwargs.get(slot)
 
 
 def _is_scalar(a) -> bool:
@@ -260,7 +186,7 @@ def _partial_ops(call) -> list:
 
 
 def _dt_positions(call, positions):
-    return [k for k in positions if isinstance(_get(call, k), DTensorSpec)]
+    return [k for k in positions if isinstance(arg_at(call, k), DTensorSpec)]
 
 
 def _additive(call, ops, name):

@@ -22,6 +22,7 @@ from ..placements import LINEAR_REDUCE_OPS, Partial, Replicate, Shard
 from ..redistribute import plan_redistribute, run_plan
 from ..spec import DTensorSpec, TensorMeta
 from ._registry import Decompose, register_rule
+from .kit import arg_at
 from .view import carry_order, full_strategy
 
 aten = torch.ops.aten
@@ -29,12 +30,6 @@ R = Replicate()
 
 
 # ------------------------------------------------------------------ argument helpers
-def _arg(call, k, name, default=None):
-    if len(call.args) > k:
-        return call.args[k]
-    return call.kwargs.get(name, default)
-
-
 def reduced_dims(dim, ndim, empty_means_all=True) -> tuple:
     """Sorted non-negative dims reduced by ``dim``: None reduces everything, and so does [] for
     most ops (all.dims / any.dims reduce nothing then). A 0-d tensor has no dims to reduce."""
@@ -116,14 +111,14 @@ def _any_sharded(spec, dims) -> bool:
 def _sum_like_args(call):
     if call.op._overloadname == "default":
         return None, False
-    return _arg(call, 1, "dim"), _arg(call, 2, "keepdim", False)
+    return arg_at(call, 1, "dim"), arg_at(call, 2, "keepdim", False)
 
 
 @register_rule(aten.sum.default, aten.sum.dim_IntList, aten.nansum.default)
 def _sum(call):
     spec = call.inputs[0]
     dim, keepdim = _sum_like_args(call) if call.op is not aten.nansum.default else (
-        _arg(call, 1, "dim"), _arg(call, 2, "keepdim", False))
+        arg_at(call, 1, "dim"), arg_at(call, 2, "keepdim", False))
     # nansum is not linear in a Partial operand: NaN in one rank's share hides the others
     keep = LINEAR_REDUCE_OPS if call.op is not aten.nansum.default else ()
     return reduction(spec, reduced_dims(dim, spec.ndim), keepdim, Partial("sum"), keep)
@@ -132,7 +127,7 @@ def _sum(call):
 @register_rule(aten.count_nonzero.default, aten.count_nonzero.dim_IntList)
 def _count_nonzero(call):
     spec = call.inputs[0]
-    dims = reduced_dims(_arg(call, 1, "dim"), spec.ndim)
+    dims = reduced_dims(arg_at(call, 1, "dim"), spec.ndim)
     return reduction(spec, dims, False, Partial("sum"))
 
 
@@ -174,8 +169,8 @@ def _amax(call):
     if call.op in (aten.max.default, aten.min.default):
         dims, keepdim = tuple(range(spec.ndim)), False
     else:
-        dims = reduced_dims(_arg(call, 1, "dim", []), spec.ndim)
-        keepdim = _arg(call, 2, "keepdim", False)
+        dims = reduced_dims(arg_at(call, 1, "dim", []), spec.ndim)
+        keepdim = arg_at(call, 2, "keepdim", False)
     return reduction(spec, dims, keepdim, Partial(kind), (kind,),
                      _identity_filled(call.op, dims, keepdim, [kind]))
 
@@ -308,8 +303,8 @@ def _max_dim(call):
     spec = call.inputs[0]
     want_values = call.op in (aten.max.dim, aten.min.dim)
     largest = call.op in (aten.max.dim, aten.argmax.default)
-    dim = _arg(call, 1, "dim")
-    keepdim = _arg(call, 2, "keepdim", False)
+    dim = arg_at(call, 1, "dim")
+    keepdim = arg_at(call, 2, "keepdim", False)
     dims = reduced_dims(dim, spec.ndim) if dim is not None else tuple(range(spec.ndim))
     if _any_sharded(spec, dims):
         return _validated(call, lambda x, *a, **k: _arg_reduce(x, dim, keepdim, largest,
@@ -320,8 +315,8 @@ def _max_dim(call):
 @register_rule(aten.prod.default, aten.prod.dim_int)
 def _prod(call):
     spec = call.inputs[0]
-    dim = None if call.op is aten.prod.default else _arg(call, 1, "dim")
-    keepdim = False if call.op is aten.prod.default else _arg(call, 2, "keepdim", False)
+    dim = None if call.op is aten.prod.default else arg_at(call, 1, "dim")
+    keepdim = False if call.op is aten.prod.default else arg_at(call, 2, "keepdim", False)
     dims = reduced_dims(dim, spec.ndim)
     dtype = call.kwargs.get("dtype")
     if not _any_sharded(spec, dims):
@@ -356,7 +351,7 @@ def _resolve(x: DTensor, mesh_dims) -> DTensor:
 
 def _var_args(call):
     spec = call.inputs[0]
-    dims = reduced_dims(_arg(call, 1, "dim"), spec.ndim)
+    dims = reduced_dims(arg_at(call, 1, "dim"), spec.ndim)
     correction = call.kwargs.get("correction")
     correction = 1 if correction is None else correction
     return spec, dims, correction, call.kwargs.get("keepdim", False)
@@ -393,11 +388,11 @@ def _var(call):
 def _norm_args(call):
     name = call.op._overloadname
     if call.op is aten.linalg_vector_norm.default:
-        return (_arg(call, 1, "ord", 2), _arg(call, 2, "dim"), _arg(call, 3, "keepdim", False),
+        return (arg_at(call, 1, "ord", 2), arg_at(call, 2, "dim"), arg_at(call, 3, "keepdim", False),
                 call.kwargs.get("dtype"))
-    p = _arg(call, 1, "p", 2)
-    dim = _arg(call, 2, "dim") if "dim" in name else None
-    keepdim = _arg(call, 3, "keepdim", False) if "dim" in name else False
+    p = arg_at(call, 1, "p", 2)
+    dim = arg_at(call, 2, "dim") if "dim" in name else None
+    keepdim = arg_at(call, 3, "keepdim", False) if "dim" in name else False
     return 2 if p is None else p, dim, keepdim, call.kwargs.get("dtype")
 
 
@@ -434,8 +429,8 @@ def _norm(call):
 @register_rule(aten.logsumexp.default)
 def _logsumexp(call):
     spec = call.inputs[0]
-    dims = reduced_dims(_arg(call, 1, "dim"), spec.ndim)
-    keepdim = _arg(call, 2, "keepdim", False)
+    dims = reduced_dims(arg_at(call, 1, "dim"), spec.ndim)
+    keepdim = arg_at(call, 2, "keepdim", False)
     if not _any_sharded(spec, dims):
         return reduction(spec, dims, keepdim, None)
     M = [i for i, p in enumerate(spec.placements) if p.is_shard() and p.dim in dims]
@@ -458,7 +453,7 @@ def _logsumexp(call):
                aten.cummax.default, aten.cummin.default)
 def _scan(call):
     spec = call.inputs[0]
-    d = _arg(call, 1, "dim") % max(spec.ndim, 1)
+    d = arg_at(call, 1, "dim") % max(spec.ndim, 1)
     linear = call.op is aten.cumsum.default
     n_out = 2 if call.op in (aten.cummax.default, aten.cummin.default) else 1
     ins = [R if (p.is_shard() and p.dim == d) or (p.is_partial() and not (

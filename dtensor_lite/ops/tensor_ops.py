@@ -12,7 +12,8 @@ from .. import collectives
 from ..placements import LINEAR_REDUCE_OPS, REDUCE_OPS, Partial, Replicate, Shard, reductions_mix
 from ..spec import DTensorSpec, TensorMeta
 from ._registry import Decompose, FullStrategy, register_rule
-from .pointwise import _cast_keeps, choose, with_scalar_zeroing
+from .kit import arg_at, choose
+from .pointwise import _cast_keeps, with_scalar_zeroing
 
 aten = torch.ops.aten
 R = Replicate()
@@ -64,12 +65,6 @@ def wrap_replicated(local: torch.Tensor, mesh):
     from ..dtensor import DTensor
     meta = TensorMeta(local.shape, tuple(local.stride()), local.dtype)
     return DTensor(local, DTensorSpec(mesh, (R,) * mesh.ndim, meta))
-
-
-def _dim_arg(call, pos, name, default):
-    if len(call.args) > pos:
-        return call.args[pos]
-    return call.kwargs.get(name, default)
 
 
 # ------------------------------------------------------------------ constructors and fills
@@ -254,7 +249,7 @@ def _cat(call):
     tensors = call.args[0]
     specs = [t for t in tensors if isinstance(t, DTensorSpec)]
     ndim = max(s.ndim for s in specs)
-    dim = _dim_arg(call, 1, "dim", 0) % max(ndim, 1)
+    dim = arg_at(call, 1, "dim", 0) % max(ndim, 1)
     return _cat_like(call, tensors, lambda d: None if d == dim else d)
 
 
@@ -262,7 +257,7 @@ def _cat(call):
 def _stack(call):
     tensors = call.args[0]
     ndim = max(t.ndim for t in tensors if isinstance(t, DTensorSpec))
-    dim = _dim_arg(call, 1, "dim", 0) % (ndim + 1)
+    dim = arg_at(call, 1, "dim", 0) % (ndim + 1)
     return _cat_like(call, tensors, lambda d: d if d < dim else d + 1)
 
 
@@ -274,7 +269,7 @@ def _tri(call):
     spec = call.inputs[0]
     if spec.ndim < 2:
         return [((R,), (R,))]  # torch raises its own error from the metadata pass
-    k = _dim_arg(call, 1, "diagonal", 0)
+    k = arg_at(call, 1, "diagonal", 0)
     _, off = spec.local_shape_and_offset()
     local_k = k + off[-2] - off[-1]
     op = call.op
@@ -303,7 +298,7 @@ def _flip(call):
 @register_rule(aten.roll.default)
 def _roll(call):
     spec = call.inputs[0]
-    dims = _dim_arg(call, 2, "dims", [])
+    dims = arg_at(call, 2, "dims", [])
     if len(dims) == 0:  # rolls the flattened tensor: every shard must go
         return keep_strategy(spec, lambda d: None)
     dims = {d % max(spec.ndim, 1) for d in dims}
@@ -383,8 +378,8 @@ def _select_along_dim(call):
     spec = call.inputs[0]
     default_dim = -1 if call.op in (aten.kthvalue.default, aten.mode.default) else None
     pos = 2 if call.op is aten.kthvalue.default else 1
-    dim = _dim_arg(call, pos, "dim", default_dim) % max(spec.ndim, 1)
-    keepdim = _dim_arg(call, pos + 1, "keepdim", False)
+    dim = arg_at(call, pos, "dim", default_dim) % max(spec.ndim, 1)
+    keepdim = arg_at(call, pos + 1, "keepdim", False)
     strategies = [((R, R), (R,))]
     for d in range(spec.ndim):
         if d != dim:
@@ -404,7 +399,7 @@ def _sort(call):
 @register_rule(aten.topk.default)
 def _topk(call):
     spec = call.inputs[0]
-    dim = _dim_arg(call, 2, "dim", -1)
+    dim = arg_at(call, 2, "dim", -1)
     return _along_dim(spec, dim % max(spec.ndim, 1), 2)
 
 

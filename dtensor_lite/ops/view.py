@@ -22,6 +22,7 @@ import torch
 from ..placements import Partial, Replicate, Shard
 from ..spec import DTensorSpec, TensorMeta
 from ._registry import FullStrategy, register_rule
+from .kit import arg_at
 
 aten = torch.ops.aten
 R = Replicate()
@@ -320,12 +321,6 @@ def _squeeze_like(call):
 
 
 # ------------------------------------------------------------------ slicing
-def _arg(call, k, name, default):
-    if len(call.args) > k:
-        return call.args[k]
-    return call.kwargs.get(name, default)
-
-
 def _slice_bounds(n, start, end, step):
     """Python-style clamped (start, length) of ``[start:end:step]`` on a dim of size n."""
     start = 0 if start is None else start
@@ -361,10 +356,10 @@ def _slice(call):
     spec = call.inputs[0]
     _global_out(call)  # validates the arguments (a 0-d input, an index out of range)
     ndim = spec.ndim
-    d = _arg(call, 1, "dim", 0) % max(ndim, 1)
-    step = _arg(call, 4, "step", 1)
+    d = arg_at(call, 1, "dim", 0) % max(ndim, 1)
+    step = arg_at(call, 4, "step", 1)
     n = spec.shape[d]
-    start, length = _slice_bounds(n, _arg(call, 2, "start", None), _arg(call, 3, "end", None), step)
+    start, length = _slice_bounds(n, arg_at(call, 2, "start", None), arg_at(call, 3, "end", None), step)
     M = _sharding(spec, d)
     if not M:
         return full_strategy(spec, spec.placements, [spec.placements], [ndim])
@@ -532,7 +527,7 @@ def _split(call):
     spec = call.inputs[0]
     ndim = spec.ndim
     is_unbind = call.op is aten.unbind.int
-    d = _arg(call, 1 if is_unbind else 2, "dim", 0) % max(ndim, 1)
+    d = arg_at(call, 1 if is_unbind else 2, "dim", 0) % max(ndim, 1)
     n_out = len(_global_out(call))
     M = _sharding(spec, d)
     ins = list(spec.placements)
