@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 
 from ..placements import reductions_mix
+from ..redistribute.steps import estimate_bytes
 from ..spec import DTensorSpec
 from ._registry import FullStrategy, OpCall
 
@@ -19,21 +20,8 @@ __all__ = ["expand_strategies"]
 
 def _estimate(spec: DTensorSpec, i: int, p, q) -> float:
     """Rough bytes to move ``spec`` from p to q on mesh dim i (exact plans come later)."""
-    n = spec.mesh.shape[i]
     local = math.prod(spec.local_shape_and_offset((0,) * spec.mesh.ndim)[0]) * spec.dtype.itemsize
-    if p.is_replicate():
-        return 0.0
-    if p.is_shard():
-        if q.is_replicate():
-            return (n - 1) * local
-        if q.is_shard():
-            return (n - 1) / n * local
-        return 0.0
-    if q.is_shard():
-        return (n - 1) / n * local
-    if q.is_partial() and p.is_linear and q.is_linear:
-        return 0.0
-    return 2 * (n - 1) / n * local
+    return estimate_bytes(p, q, local, spec.mesh.shape[i])
 
 
 def _normalize_strategy(s, n_inputs):

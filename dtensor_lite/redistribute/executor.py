@@ -11,6 +11,7 @@ from .. import collectives as C
 from ..placements import LINEAR_REDUCE_OPS
 from ..spec import chunk_range
 from .planner import RedistributePlan, Step
+from .steps import STEP_KINDS
 
 __all__ = ["run_plan"]
 
@@ -35,9 +36,6 @@ def _identity_value(op: str, dtype: torch.dtype):
     if dtype.is_floating_point:
         return float("-inf") if op == "max" else float("inf")
     return info.min if op == "max" else info.max
-
-
-_COLLECTIVE_STEPS = ("all_gather", "reduce_scatter", "all_reduce", "all_to_all")
 
 
 def _run_step(x: torch.Tensor, step: Step, async_op: bool = False):
@@ -101,7 +99,7 @@ def run_plan(local: torch.Tensor, plan: RedistributePlan, async_op: bool = False
     issued, and a ``collectives.Pending`` comes back whose ``wait()`` finishes it and runs the
     steps after it (a plan without a collective returns its result directly)."""
     steps = plan.steps
-    last = max((k for k, s in enumerate(steps) if s.kind in _COLLECTIVE_STEPS), default=-1)
+    last = max((k for k, s in enumerate(steps) if STEP_KINDS[s.kind].collective), default=-1)
     x = local
     for k, step in enumerate(steps):
         if async_op and k == last:

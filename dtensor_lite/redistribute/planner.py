@@ -35,10 +35,9 @@ from dataclasses import dataclass, field
 from ..placements import Partial, Replicate, Shard, reductions_mix
 from ..spec import DTensorSpec, chunk_range
 from .. import _caches
+from .steps import STEP_KINDS, step_kind
 
 __all__ = ["Step", "RedistributePlan", "plan_redistribute", "explain_redistribute"]
-
-_COLLECTIVES = ("all_gather", "all_to_all", "all_reduce", "reduce_scatter")
 
 
 @dataclass(frozen=True)
@@ -76,7 +75,7 @@ class RedistributePlan:
 
     @property
     def num_collectives(self) -> int:
-        return sum(s.kind in _COLLECTIVES for s in self.steps)
+        return sum(STEP_KINDS[s.kind].collective for s in self.steps)
 
     def __str__(self):
         head = (f"redistribute {list(self.src.public_placements())} -> "
@@ -139,24 +138,9 @@ def _step_bytes(kind, i, d, e, shape, orders, mesh_shape, coord, itemsize):
 
 def _transition(p, q, i, orders):
     """The step kind for placement p -> q on mesh dim i, or None if not allowed from here."""
-    if p.is_shard():
-        if orders[p.dim][-1] != i:
-            return None  # an outer split can only be undone after the inner ones
-        if q.is_replicate():
-            return "all_gather"
-        if q.is_shard():
-            return "all_to_all"
-        return "pad_to_partial"
-    if p.is_replicate():
-        return "chunk" if q.is_shard() else "to_partial"
-    # p is Partial
-    if q.is_replicate():
-        return "all_reduce"
-    if q.is_shard():
-        return "reduce_scatter"
-    if p != q and p.is_linear and q.is_linear:  # sum <-> avg: a local scale by n
-        return "rescale"
-    return None
+    if p.is_shard() and orders[p.dim][-1] != i:
+        return None  # an outer split can only be undone after the inner ones
+    return step_kind(p, q)
 
 
 def _apply(placements, orders, i, q):
@@ -226,8 +210,9 @@ def _search(src: DTensorSpec, dst: DTensorSpec):
                 # tie (e.g. [S0, S1] -> [S1, S0]: all_gather + all_to_all + chunk, or
                 # pad_to_partial + all_to_all + reduce_scatter, 64 B each) keeps the bit-exact
                 # gather path rather than depending on the heap's order
-                new_cost = (cost[0] + nbytes, cost[1] + (kind in _COLLECTIVES), cost[2] + 1,
-                            cost[3] + (kind in ("all_reduce", "reduce_scatter")))
+                info = STEP_KINDS[kind]
+                new_cost = (cost[0] + nbytes, cost[1] + info.collective, cost[2] + 1,
+                            cost[3] + info.reduces)
                 if new_state not in best or new_cost < best[new_state]:
                     best[new_state] = new_cost
                     parent[new_state] = (state, i, q, kind, d, e, nbytes)

@@ -1,0 +1,57 @@
+"""The redistribute step kinds: one table that the planner, the executor and the dispatcher's
+cost estimate all read.
+
+A step changes the placement of one mesh dim. Which kind of step turns placement ``p`` into ``q``
+is decided here once (``step_kind``); how many bytes it sends is ``StepKind.estimate`` (a rough
+figure from the local size, for choosing among op strategies) or the planner's exact count;
+how it runs is the executor's function for that kind.
+"""
+from __future__ import annotations
+
+from typing import Callable, NamedTuple
+
+__all__ = ["StepKind", "STEP_KINDS", "step_kind", "estimate_bytes"]
+
+
+class StepKind(NamedTuple):
+    name: str
+    collective: bool   # moves data between ranks (counted by CommDebugMode)
+    reduces: bool      # adds values of several ranks (not bit-exact across reduction orders)
+    estimate: Callable[[float, int], float]  # rough bytes sent per rank: f(local bytes, n)
+
+
+STEP_KINDS = {k.name: k for k in (
+    StepKind("all_gather", True, False, lambda local, n: (n - 1) * local),          # S -> R
+    StepKind("all_to_all", True, False, lambda local, n: (n - 1) / n * local),      # S -> S
+    StepKind("all_reduce", True, True, lambda local, n: 2 * (n - 1) / n * local),   # P -> R
+    StepKind("reduce_scatter", True, True, lambda local, n: (n - 1) / n * local),   # P -> S
+    StepKind("chunk", False, False, lambda local, n: 0.0),           # R -> S: a local slice
+    StepKind("to_partial", False, False, lambda local, n: 0.0),      # R -> P: zeros off coord 0
+    StepKind("pad_to_partial", False, False, lambda local, n: 0.0),  # S -> P: identity padding
+    StepKind("rescale", False, False, lambda local, n: 0.0),         # P(sum) <-> P(avg)
+)}
+
+
+def step_kind(p, q) -> str | None:
+    """The step that turns placement ``p`` into ``q`` on one mesh dim, or None where no single
+    step does (Partial(max) -> Partial(sum) must pass through Replicate)."""
+    if p.is_shard():
+        return "all_gather" if q.is_replicate() else "all_to_all" if q.is_shard() else "pad_to_partial"
+    if p.is_replicate():
+        return "chunk" if q.is_shard() else "to_partial"
+    if q.is_replicate():
+        return "all_reduce"
+    if q.is_shard():
+        return "reduce_scatter"
+    if p != q and p.is_linear and q.is_linear:
+        return "rescale"
+    return None
+
+
+def estimate_bytes(p, q, local_bytes: float, n: int) -> float:
+    """Rough bytes one rank sends to move a piece of ``local_bytes`` from ``p`` to ``q`` on a
+    mesh dim of size ``n``; two steps (all-reduce, then a free one) where no single step does."""
+    if p == q:
+        return 0.0
+    kind = step_kind(p, q)
+    return STEP_KINDS[kind or "all_reduce"].estimate(local_bytes, n)
