@@ -131,7 +131,9 @@ def build(impl: str, cfg: Config):
     raf = cfg.reshard_after_forward
     for block in model.layers:
         fully_shard(block, mesh=dp_mesh, reshard_after_forward=raf)
-    fully_shard(model, mesh=dp_mesh, reshard_after_forward=raf)
+    # the root with each one's default (both keep its parameters from forward to backward; an
+    # explicit True would make torch's reshard them) unless the config says False
+    fully_shard(model, mesh=dp_mesh, **({} if raf else {"reshard_after_forward": False}))
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     return model, opt, dist.get_rank() // tp_size
 

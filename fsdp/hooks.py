@@ -7,9 +7,14 @@ Timeline of one training step for a group G (not the root)::
     post-forward  reshard G (unless reshard_after_forward=False / root), hook G's outputs
     pre-backward  (hook on an output's gradient) unshard G again, prefetch the previous group
     post-backward (``_Unsharded.backward``: all gradients of this use are in) when it was the
-                  last pending use: reduce-scatter G's gradients, reshard G
+                  last pending use: reshard G, finish the previous group's reduction, pack
+                  G's gradients and issue their reduce-scatter (state.RootContext.finish_group)
     end of backward (one autograd-engine callback per backward) finish leftovers, wait for the
                   last reduce-scatter, reshard everything
+
+The next pre-backward finishes that reduce-scatter (CPU: waits for it; CUDA: the reduce-scatter
+stream waits, the compute stream does not), so a group's gradient buffers never live beside
+another group's backward compute (docs/fsdp.md, "Memory").
 
 ``_Unsharded`` is how autograd learns about the unsharded parameters: its forward returns the
 unsharded tensors (aliases of FSDP's buffers), so every op of the module that uses them saves and
@@ -42,7 +47,40 @@ from .param_group import ShardState
 from .state import FSDPState
 
 __all__ = ["pre_forward", "post_forward", "reshard_for_state_dict", "map_tensors",
-           "collect_tensors"]
+           "collect_tensors", "observe"]
+
+
+# ===================================================================== observers
+_OBSERVERS: list[Callable[[str, FSDPState], None]] = []
+
+
+class observe:
+    """Context manager: call ``fn(event, state)`` after every FSDP hook has done its work.
+
+    ``event`` is ``"pre_forward"``, ``"post_forward"``, ``"pre_backward"``, ``"post_backward"``
+    (the group's gradients are in and handed to the reduce-scatter) or ``"end_of_backward"``
+    (``state`` is the root's). Recomputation inside backward (activation checkpointing) is not
+    reported. For tools that follow groups through a step (memory tracking, tests)::
+
+        >>> with observe(lambda event, state: print(event, state.group)):
+        ...     model(x).sum().backward()
+    """
+
+    def __init__(self, fn: Callable[[str, FSDPState], None]):
+        self.fn = fn
+
+    def __enter__(self):
+        _OBSERVERS.append(self.fn)
+        return self
+
+    def __exit__(self, *exc):
+        _OBSERVERS.remove(self.fn)
+        return False
+
+
+def _notify(event: str, state: FSDPState):
+    for fn in list(_OBSERVERS):
+        fn(event, state)
 
 
 # ===================================================================== autograd glue
@@ -71,6 +109,8 @@ def _post_backward(group, grads):
     group.uses_pending = max(group.uses_pending - 1, 0)
     if group.uses_pending == 0:
         ctx.finish_group(group)
+    if _OBSERVERS:
+        _notify("post_backward", group.modules[0].__dict__["_fsdp_state"])
 
 
 def _publish_for_forward(group, counted: bool = True):
@@ -114,6 +154,8 @@ def pre_forward(state: FSDPState, module: nn.Module, args, kwargs):
             ctx.forward_order.append(group)
             _prefetch_forward(state, ctx)
             _publish_for_forward(group)
+        if _OBSERVERS:
+            _notify("pre_forward", state)
     return _cast_inputs(state, args, kwargs)
 
 
@@ -149,6 +191,8 @@ def post_forward(state: FSDPState, module: nn.Module, args, output):
     hooked = _hook_grad_outputs(state, output)
     if use_done and state.is_root and not hooked:
         state.ctx.end_forward_without_backward()
+    if use_done and _OBSERVERS:
+        _notify("post_forward", state)
     return _cast_output(state, output)
 
 
@@ -178,6 +222,9 @@ class _PreBackward:
     def __call__(self, grad):
         state = self.state
         state.ctx.on_backward()
+        # the previous group's reduce-scatter: done before this group computes, so its buffers
+        # never live beside another group's backward
+        state.ctx.finish_pending_reduce()
         group = state.group
         if group is None:
             return None
@@ -190,6 +237,8 @@ class _PreBackward:
         if not group.prefetched_in_backward:
             group.prefetched_in_backward = True
             _prefetch_backward(state, state.ctx)
+        if _OBSERVERS:
+            _notify("pre_backward", state)
         return None
 
 

@@ -94,11 +94,13 @@ class _PendingAllGather:
 
 
 class PendingReduce:
-    """A reduce-scatter in flight: finished (waited, divided, written) by ``ParamGroup.finish``."""
+    """A reduce-scatter in flight: finished (waited, divided, written) by
+    ``ParamGroup.finish_reduce``. It holds the reduce-scatter input and output (the only
+    references to them), not the unsharded gradients, which were copied into the input."""
     __slots__ = ("group", "buckets")
 
     def __init__(self, group, buckets):
-        self.group, self.buckets = group, buckets  # [(params, offsets, work, inp, out, grads)]
+        self.group, self.buckets = group, buckets  # [(params, offsets, work, inp, out)]
 
 
 class ParamGroup:
@@ -160,7 +162,8 @@ class ParamGroup:
                 inp, layout = self._post_forward_buf, self._post_forward_layout
                 with self.streams.side("all_gather"):
                     out = inp.new_empty(inp.numel() * mesh.size(dim))
-                    work = C.flat_all_gather(out, inp, mesh, dim, async_op=True)
+                    work = C.flat_all_gather(out, inp, mesh, dim,
+                                             async_op=self.streams.async_collectives)
                 self._pending_ag = _PendingAllGather(work, inp, out, layout, info.shard_size, True)
                 return
             for p in self.params:
@@ -174,7 +177,10 @@ class ParamGroup:
                           for p in self.params]
                 layout = _Layout([[(numel, t.dtype) for t, numel in per_param]
                                   for per_param in inputs])
-                inp = torch.empty(layout.chunk, dtype=layout.dtype, device=self.device)
+                # in place: this rank's input is its own slot of the output, so the all-gather
+                # needs no separate input buffer
+                out = torch.empty(layout.chunk * world, dtype=layout.dtype, device=self.device)
+                inp = out.narrow(0, info.shard_rank * layout.chunk, layout.chunk)
                 for per_param, views in zip(inputs, layout.inputs(inp)):
                     for (t, _), view in zip(per_param, views):
                         n = t.numel()
@@ -182,12 +188,10 @@ class ParamGroup:
                             view[n:].zero_()
                             view = view[:n]
                         view.copy_(t, non_blocking=True)
-                out = torch.empty(layout.chunk * world, dtype=layout.dtype, device=self.device)
+                work = None
                 if world > 1 and layout.chunk:
-                    work = C.flat_all_gather(out, inp, info.mesh, info.shard_dim, async_op=True)
-                else:
-                    work = None
-                    out.copy_(inp)
+                    work = C.flat_all_gather(out, inp, info.mesh, info.shard_dim,
+                                             async_op=self.streams.async_collectives)
             self._pending_ag = _PendingAllGather(work, inp, out, layout, world, False)
 
     def wait_unshard(self, keep_post_forward_piece: bool = False):
@@ -260,12 +264,17 @@ class ParamGroup:
             acc = self.grads[k]
             self.grads[k] = g if acc is None else acc + g
 
-    def start_reduce(self) -> PendingReduce | None:
-        """Pack and issue the reduce-scatter(s) of the accumulated gradients."""
+    def take_grads(self) -> list[torch.Tensor | None]:
+        """Hand over the accumulated unsharded gradients (the group keeps no reference)."""
+        grads, self.grads = self.grads, [None] * len(self.trainable)
+        return grads
+
+    def start_reduce(self, grads) -> PendingReduce | None:
+        """Pack ``grads`` (from ``take_grads``) and issue the reduce-scatter(s); nothing keeps
+        the gradients once packed."""
         self.needs_reduce = False
         if not self.trainable:
             return None
-        grads, self.grads = self.grads, [None] * len(self.trainable)
         info = self.mesh_info
         world = info.shard_size
         reduce_dtype = self.mp_policy.reduce_dtype
@@ -291,18 +300,24 @@ class ParamGroup:
                 out = torch.empty(pos, dtype=dtype, device=self.device)
                 if world > 1 and pos:
                     work = C.flat_reduce_scatter(out, inp, info.mesh, info.shard_dim, "sum",
-                                                 async_op=True)
+                                                 async_op=self.streams.async_collectives)
                 else:
                     work = None
                     out.copy_(inp)
-                out_buckets.append((params, offsets, work, inp, out, [grads[k] for k in ks]))
+                for k in ks:
+                    grads[k] = None  # packed: the caller's reference is the last one
+                # the input lives only while the collective reads it
+                out_buckets.append((params, offsets, work, inp if work is not None else None,
+                                    out))
         return PendingReduce(self, out_buckets)
 
     def finish_reduce(self, pending: PendingReduce):
         info = self.mesh_info
         factor = self.divide_factor if self.divide_factor is not None else info.dp_size
-        with torch.no_grad():
-            for params, offsets, work, _inp, out, _grads in pending.buckets:
+        # on the reduce-scatter stream (CUDA): the compute stream goes on; the buffers freed here
+        # can be reused only by later work on that stream, ordered after this wait
+        with torch.no_grad(), self.streams.side("reduce_scatter"):
+            for params, offsets, work, _inp, out in pending.buckets:
                 if work is not None:
                     work.wait()
                 if info.replicate_dim is not None and info.replicate_size > 1 and out.numel():

@@ -3,7 +3,7 @@
 The root is the FSDP module whose forward runs first with no FSDP forward around it. At that
 first forward (lazy init) it collects every FSDP state in its subtree into a ``RootContext``,
 which owns what spans groups: the forward order (for prefetching), whether a backward is running,
-the one reduce-scatter in flight, and the end-of-backward callback that finishes every group.
+the one reduction in flight, and the end-of-backward callback that finishes every group.
 """
 from __future__ import annotations
 
@@ -104,15 +104,26 @@ class RootContext:
         torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
 
     def finish_group(self, group: ParamGroup):
-        """All uses of ``group`` have their gradients: reduce (unless no-sync), then reshard."""
-        if group.reduce_grads and group.needs_reduce:
-            pending = group.start_reduce()
-            # at most two reductions in flight: issue this one, then finish the previous
-            previous, self.pending_reduce = self.pending_reduce, pending
-            if previous is not None:
-                previous.group.finish_reduce(previous)
+        """All uses of ``group`` have their gradients: reduce (unless no-sync), then reshard.
+
+        The order keeps at most one group's buffers alive at a time: the unsharded parameters
+        are freed first (their gradients are already computed), then the previous reduction is
+        finished (its input and output freed), and only then is this group's reduce-scatter
+        input allocated. The unsharded gradients themselves die when the autograd node that
+        delivered them returns, right after this."""
+        reduce = group.reduce_grads and group.needs_reduce
+        grads = group.take_grads() if reduce else None
         if group.reshard_after_backward:
             group.reshard()
+        self.finish_pending_reduce()
+        if reduce:
+            self.pending_reduce = group.start_reduce(grads)
+
+    def finish_pending_reduce(self):
+        """Wait for the reduction in flight, add it into the sharded gradients, free its buffers."""
+        pending, self.pending_reduce = self.pending_reduce, None
+        if pending is not None:
+            pending.group.finish_reduce(pending)
 
     def end_of_backward(self):
         """Queued once per backward: finish groups whose uses did not all get gradients (an
@@ -121,11 +132,15 @@ class RootContext:
             if g.uses_pending > 0:
                 g.uses_pending = 0
                 self.finish_group(g)
-        if self.is_last_backward and self.pending_reduce is not None:
-            pending, self.pending_reduce = self.pending_reduce, None
-            pending.group.finish_reduce(pending)
+        if self.is_last_backward:
+            self.finish_pending_reduce()
+        for g in self.groups[:1]:  # gradients were written on the reduce-scatter stream
+            g.streams.join("reduce_scatter")
         for g in self.groups:
             g.prefetched_in_backward = False
             if g.state is not ShardState.SHARDED and g.reshard_after_backward:
                 g.reshard()
         self.in_backward = False
+        from .hooks import _OBSERVERS, _notify  # hooks imports this module
+        if _OBSERVERS:
+            _notify("end_of_backward", self.root)

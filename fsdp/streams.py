@@ -2,13 +2,17 @@
 
 The schedule is the same on every device: copy the shards in, *issue* the collective
 asynchronously, and wait for its work handle only where the result is consumed (copy-out in
-pre-forward / pre-backward, gradient write-back at the next post-backward or at the end of
-backward). On CPU, gloo runs the issued collectives on its own threads, so a prefetched
-all-gather overlaps with compute there too; copies run in the caller's order.
+pre-forward / pre-backward) or where its buffers must go (a reduce-scatter is finished at the next
+group's pre-backward, or at the end of backward). On CPU the collectives complete before the call returns (``Streams.async_collectives``: gloo's
+asynchronous collectives hold a private copy of their buffer while in flight); copies run in the
+caller's order.
 
 On CUDA, copy-in and gradient packing run on two side streams so they overlap with compute, and
 NCCL runs the collectives on its own stream, ordered after the side stream that issued them;
-``work.wait()`` then orders the *current* (compute) stream after the collective. Memory is kept
+``work.wait()`` then orders the *current* stream after the collective: the compute stream for an
+all-gather; for a reduce-scatter, its own side stream, which also divides and writes the
+gradients (the compute stream joins it at the end of backward), so finishing it early costs the
+compute stream nothing. Memory is kept
 safe without ``record_stream``: a side stream always waits for the compute stream before it
 allocates (``side()`` below). A buffer that was allocated on a side stream and read on the compute
 stream may be reused by the caching allocator only for a later side-stream allocation, which by
@@ -39,6 +43,12 @@ class Streams:
     def __init__(self, device: torch.device):
         self.device = device
         self.is_cuda = device.type == "cuda"
+        # whether collectives are issued asynchronously. On CUDA they overlap compute for free.
+        # On CPU, gloo runs an asynchronous all-gather / reduce-scatter on its own threads into a
+        # private full-size copy that lives until the collective ends, i.e. beside the compute it
+        # overlaps, on the same cores: so there FSDP's collectives complete before the call
+        # returns, as torch's fully_shard does on CPU
+        self.async_collectives = self.is_cuda
         if self.is_cuda:
             # high priority: a copy-in that waits behind a long compute kernel delays the all-gather
             self._streams = {
@@ -56,6 +66,12 @@ class Streams:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             yield
+
+    def join(self, name: str):
+        """The compute stream waits for side stream ``name``'s queued work (its results are
+        read next: the reduced gradients at the end of backward)."""
+        if self.is_cuda:
+            torch.cuda.current_stream(self.device).wait_stream(self._streams[name])
 
     def synchronize_host(self):
         """Block the CPU until queued device work is done (device-to-host gradient copies)."""
