@@ -7,6 +7,7 @@ from .placements import Partial, Placement, Replicate, Shard, _StridedShard
 from .spec import DTensorSpec, TensorMeta
 from .dtensor import DTensor
 from . import ops  # noqa: F401  (registers the sharding rules)
+from . import _dispatch  # noqa: F401  (installs itself as DTensor's op dispatcher)
 from .redistribute import explain_redistribute, RedistributePlan
 from .api import (distribute_tensor, distribute_module, zeros, ones, empty, full, rand, randn)
 from . import debug, random

@@ -23,7 +23,8 @@ from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_map
 
 from . import _caches, _fallback, debug
-from .dtensor import DTensor, _redistribute_local
+from .dtensor import DTensor, use_dispatcher
+from .redistribute import redistribute_local
 from .ops import _registry
 from .ops._expansion import expand_strategies
 from .ops._registry import Decompose, FullStrategy, OpCall
@@ -190,7 +191,7 @@ class _Decision:
         if self.needs_redistribute:
             if debug._EXPLICIT:
                 _observe_rule_redistribute(self.op, dts, targets)
-            locals_ = [dt._local_tensor if tgt is None else _redistribute_local(dt, tgt)
+            locals_ = [dt._local_tensor if tgt is None else redistribute_local(dt._local_tensor, dt._spec, tgt)
                        for dt, tgt in zip(dts, targets)]
         else:
             locals_ = [dt._local_tensor for dt in dts]
@@ -674,3 +675,6 @@ def _out_spec(mesh, placements, meta: torch.Tensor, order):
     return DTensorSpec(mesh, placements, TensorMeta(meta.shape, tuple(meta.stride()), meta.dtype),
                        order)
 
+
+
+use_dispatcher(dispatch)

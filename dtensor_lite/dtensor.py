@@ -2,7 +2,7 @@
 
 The wrapper carries the *global* shape, stride, dtype and requires_grad, so autograd and ordinary
 PyTorch code see the global tensor; ``__torch_dispatch__`` runs every aten op on the local pieces
-(see ``_dispatch``). The conversions between global and local views -- ``from_local``,
+(see ``_dispatch``, which installs itself with ``use_dispatcher``). The conversions between global and local views -- ``from_local``,
 ``to_local``, ``redistribute`` and ``full_tensor`` -- are autograd Functions whose backward is the
 transpose of the forward (the gradient of Shard->Replicate comes back as Partial->Shard).
 """
@@ -12,8 +12,8 @@ import torch
 import torch.distributed as dist
 
 from .device_mesh import DeviceMesh
-from .placements import Partial, Placement, Replicate, Shard
-from .redistribute import plan_redistribute, run_plan
+from .placements import Placement, Replicate
+from .redistribute import redistribute_local, redistribute_target
 from .spec import DTensorSpec, TensorMeta, contiguous_stride, normalize_placements
 from . import _caches, _dcp
 
@@ -52,7 +52,7 @@ class DTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _dispatch.dispatch(func, args, kwargs)
+        return _dispatch_op(func, args, kwargs)
 
     @staticmethod
     def _from_pending(pending, spec: DTensorSpec, like: torch.Tensor) -> "DTensor":
@@ -178,7 +178,7 @@ class DTensor(torch.Tensor):
             >>> y = x.redistribute(mesh, [Replicate(), Shard(1)])
             >>> print(explain_redistribute(x, mesh, [Replicate(), Shard(1)]))  # the plan
         """
-        dst = _target_spec(self._spec, device_mesh, placements)
+        dst = redistribute_target(self._spec, device_mesh, placements)
         return _Redistribute.apply(self, dst, bool(async_op))
 
     def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
@@ -189,19 +189,6 @@ class DTensor(torch.Tensor):
 
 def _rebuild_dtensor(local, spec, requires_grad):
     return DTensor(local, spec, requires_grad=requires_grad)
-
-
-def _target_spec(src: DTensorSpec, device_mesh, placements) -> DTensorSpec:
-    mesh = src.mesh if device_mesh is None else device_mesh
-    if mesh != src.mesh:
-        raise ValueError(
-            f"redistribute between different meshes is not supported: the DTensor lives on "
-            f"{src.mesh} and the target is {mesh}. Use full_tensor() and distribute_tensor() "
-            "onto the new mesh, or DCP to reshard a checkpoint")
-    if placements is None:
-        raise ValueError("redistribute needs placements, e.g. [Replicate()] or [Shard(0)]")
-    placements = normalize_placements(placements, mesh, src.ndim)
-    return DTensorSpec(mesh, placements, src.tensor_meta)
 
 
 def _grad_target(spec: DTensorSpec, grad_spec: DTensorSpec) -> DTensorSpec:
@@ -220,18 +207,8 @@ def _as_grad_dtensor(grad, spec: DTensorSpec) -> "DTensor":
         "DTensor loss, or distribute the gradient with the same mesh)")
 
 
-def _redistribute_local(dt: "DTensor", dst: DTensorSpec, async_op: bool = False):
-    """``dt``'s local piece laid out as ``dst``; with ``async_op`` maybe a ``Pending`` of it."""
-    src = dt._spec
-    if src == dst:
-        return dt._local_tensor
-    if src.tensor_meta != dst.tensor_meta:
-        src = DTensorSpec(src.mesh, src.placements, dst.tensor_meta, src.shard_order)
-    return run_plan(dt._local_tensor, plan_redistribute(src, dst), async_op)
-
-
 def _redistributed(dt: "DTensor", dst: DTensorSpec, async_op: bool) -> "DTensor":
-    out = _redistribute_local(dt, dst, async_op)
+    out = redistribute_local(dt._local_tensor, dt._spec, dst, async_op)
     if isinstance(out, torch.Tensor):
         return DTensor(out.view_as(out) if out is dt._local_tensor else out, dst)
     return DTensor._from_pending(out, dst, dt._local_tensor)
@@ -249,7 +226,7 @@ class _FromLocal(torch.autograd.Function):
     def backward(ctx, grad):
         grad = _as_grad_dtensor(grad, ctx.spec)
         target = _grad_target(ctx.spec, grad._spec)
-        local_grad = _redistribute_local(grad, target)
+        local_grad = redistribute_local(grad._local_tensor, grad._spec, target)
         if ctx.saved_tensors:
             local_grad = _partial_local_grad(local_grad, ctx.saved_tensors[0], ctx.spec)
         return local_grad, None
@@ -387,4 +364,14 @@ def _checked_global_shape(local, mesh, placements, shape):
     return torch.Size(global_shape)
 
 
-from . import _dispatch  # noqa: E402  (the dispatcher needs DTensor defined first)
+
+def _dispatch_op(func, args, kwargs):
+    raise RuntimeError("DTensor's dispatcher is not installed: import dtensor_lite, not only "
+                       "dtensor_lite.dtensor")
+
+
+def use_dispatcher(dispatch) -> None:
+    """Route every aten op on DTensors to ``dispatch`` (``_dispatch`` installs itself on import:
+    the dispatcher needs DTensor, so DTensor cannot import the dispatcher)."""
+    global _dispatch_op
+    _dispatch_op = dispatch

@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from ..dtensor import DTensor
 from ..spec import DTensorSpec
 
 __all__ = ["OpCall", "FullStrategy", "Decompose", "register_rule", "set_rule", "get_rule",
@@ -141,7 +142,6 @@ def intercept_composite(op, dtensor_fn):
     from torch.utils._pytree import tree_flatten
 
     def kernel(*args, **kwargs):
-        from ..dtensor import DTensor  # lazily: dtensor imports the dispatcher, which imports us
         # every call of the op in the process comes here: look at flat args without a pytree
         # walk (schemas nest at most one list deep)
         for a in (*args, *kwargs.values()):

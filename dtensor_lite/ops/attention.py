@@ -41,6 +41,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from ..dtensor import DTensor
 from ..placements import Partial, Replicate, Shard
 from ..spec import DTensorSpec, TensorMeta
 from ._registry import Decompose, intercept_composite, register_rule
@@ -174,7 +175,6 @@ class _ReplicateCreated(TorchDispatchMode):
         self.mesh = mesh
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        from ..dtensor import DTensor
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         if not isinstance(out, torch.Tensor) or isinstance(out, DTensor) or out.ndim == 0:
@@ -191,7 +191,6 @@ class _ReplicateCreated(TorchDispatchMode):
 
 def _sdpa_on_dtensors(op, args, kwargs):
     """Run ``op``'s composite (SDPA, or its math path) with created tensors replicated."""
-    from ..dtensor import DTensor
     names = [a.name for a in op._schema.arguments]
     bound = dict(zip(names, args))
     bound.update(kwargs)

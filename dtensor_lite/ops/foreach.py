@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from ..dtensor import DTensor
+from ..redistribute import redistribute_local
 from .. import collectives as C
 from ..placements import Replicate
 from ..spec import DTensorSpec
@@ -327,7 +329,6 @@ def _local_value(what, x, ord_, acc):
 
 
 def _batched(tensors, what, ord_, dtype):
-    from ..dtensor import DTensor  # the dispatcher imports this package: import lazily
     results = [None] * len(tensors)
     groups: dict = {}
     for k, t in enumerate(tensors):
@@ -436,7 +437,6 @@ def _indexed_slots(s_args, n):
 
 
 def _fused_through_temporaries(op, written):
-    from ..dtensor import DTensor, _redistribute_local  # imported lazily (see foreach_rule)
 
     def run(*args, **kwargs):
         args = [list(a) if isinstance(a, (list, tuple)) else a for a in args]
@@ -453,7 +453,7 @@ def _fused_through_temporaries(op, written):
                 if src.placements == want.placements and src.shard_order == want.shard_order:
                     continue
                 spec = DTensorSpec(want.mesh, want.placements, src.tensor_meta, want.shard_order)
-                a[k] = DTensor(_redistribute_local(t, spec), spec)
+                a[k] = DTensor(redistribute_local(t._local_tensor, t._spec, spec), spec)
                 if i in written:
                     copy_back.append((t, a[k]))
         op(*args, **kwargs)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from ..dtensor import DTensor
 from ..placements import LINEAR_REDUCE_OPS, REDUCE_OPS, Partial, Replicate, Shard
 from ..spec import DTensorSpec, TensorMeta, contiguous_stride
 from ._registry import Decompose, intercept_composite, register_rule
@@ -432,7 +433,6 @@ def _masks_to_ids(op):
     """x[mask] == x[mask.nonzero().unbind(1)]: replicate the mask, find its ids, and index with
     them (the ids are replicated, so every rank knows the data-dependent output length)."""
     def run(x, indices, *args, **kwargs):
-        from ..dtensor import DTensor
         mesh = x._spec.mesh
         ids = []
         for t in indices:
@@ -456,7 +456,6 @@ ONE_HOT = aten.one_hot.default
 
 def _one_hot(self, num_classes=-1):
     """``F.one_hot`` of an integer DTensor: local one-hot rows, sharded like the ids."""
-    from ..dtensor import DTensor
     from .nn import all_reduce_over
     if self.dtype != torch.int64:  # checked here: a rank with an empty piece must fail alike
         raise RuntimeError(f"one_hot is only applicable to index tensor of type LongTensor "

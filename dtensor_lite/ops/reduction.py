@@ -17,9 +17,9 @@ import math
 
 import torch
 
-from ..dtensor import DTensor, _redistribute_local
+from ..dtensor import DTensor
 from ..placements import LINEAR_REDUCE_OPS, Partial, Replicate, Shard
-from ..redistribute import plan_redistribute, run_plan
+from ..redistribute import plan_redistribute, redistribute_local, run_plan
 from ..spec import DTensorSpec, TensorMeta
 from ._registry import Decompose, register_rule
 from .kit import arg_at
@@ -207,7 +207,7 @@ def _replicate_partials(x: DTensor):
         return x._local_tensor, spec
     target = spec.with_placements(tuple(R if p.is_partial() else p for p in spec.placements),
                                   spec.shard_order)
-    return _redistribute_local(x, target), target
+    return redistribute_local(x._local_tensor, x._spec, target), target
 
 
 def _gather_over(local, spec, M, kept_shape):
@@ -346,7 +346,7 @@ def _resolve(x: DTensor, mesh_dims) -> DTensor:
     if placements == spec.placements:
         return x
     target = spec.with_placements(placements, spec.shard_order)
-    return DTensor(_redistribute_local(x, target), target)
+    return DTensor(redistribute_local(x._local_tensor, x._spec, target), target)
 
 
 def _var_args(call):

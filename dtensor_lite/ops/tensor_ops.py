@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from ..dtensor import DTensor
+from ..redistribute import redistribute_local
 from .. import collectives
 from ..placements import LINEAR_REDUCE_OPS, REDUCE_OPS, Partial, Replicate, Shard, reductions_mix
 from ..spec import DTensorSpec, TensorMeta
@@ -55,14 +57,12 @@ def keep_strategy(spec: DTensorSpec, dim_map, partial_ok=lambda r: True, local_f
 def replicated_local(dt) -> torch.Tensor:
     """The whole global tensor of DTensor ``dt`` on this rank, as a plain tensor (no autograd:
     for use inside Decompose functions, which run below autograd)."""
-    from ..dtensor import _redistribute_local
     spec = dt._spec
-    return _redistribute_local(dt, spec.with_placements((R,) * spec.mesh.ndim))
+    return redistribute_local(dt._local_tensor, dt._spec, spec.with_placements((R,) * spec.mesh.ndim))
 
 
 def wrap_replicated(local: torch.Tensor, mesh):
     """A replicated DTensor whose every rank holds ``local`` (the same values everywhere)."""
-    from ..dtensor import DTensor
     meta = TensorMeta(local.shape, tuple(local.stride()), local.dtype)
     return DTensor(local, DTensorSpec(mesh, (R,) * mesh.ndim, meta))
 
@@ -172,13 +172,12 @@ def _all_ranks(ok: bool, mesh, placements) -> bool:
 
 def _aligned_locals(a, b):
     """Local pieces of a and b at one common layout without Partial (a's shards are kept)."""
-    from ..dtensor import _redistribute_local
     sa = a._spec
     placements = tuple(R if p.is_partial() else p for p in sa.placements)
     order = sa.shard_order if placements == sa.placements else None
     target = DTensorSpec(sa.mesh, placements, sa.tensor_meta, order)
     b_target = DTensorSpec(sa.mesh, placements, b._spec.tensor_meta, target.shard_order)
-    return _redistribute_local(a, target), _redistribute_local(b, b_target), placements
+    return redistribute_local(a._local_tensor, a._spec, target), redistribute_local(b._local_tensor, b._spec, b_target), placements
 
 
 def _equal(a, b):
@@ -198,7 +197,6 @@ def _allclose(a, b, *args, **kwargs):
 
 def _mixed(op):
     def check(a, b, *rest, **kwargs):
-        from ..dtensor import DTensor
         if not (isinstance(a, DTensor) and isinstance(b, DTensor)):
             raise ValueError(f"{op}: compare a DTensor with a DTensor (distribute the plain "
                              "tensor first); mixing them has no single answer on every rank")

@@ -265,9 +265,9 @@ def explain_redistribute(dtensor, device_mesh=None, placements=None, *, print_pl
         >>> print(plan)          # steps, collectives and bytes per rank
         >>> plan.cost            # bytes sent by the busiest rank
     """
-    from ..dtensor import _target_spec
+    from .local import redistribute_target  # local imports this module
     src = dtensor._spec
-    dst = _target_spec(src, device_mesh, placements)
+    dst = redistribute_target(src, device_mesh, placements)
     plan = plan_redistribute(src, dst)
     if print_plan:
         from rich.console import Console

@@ -1,0 +1,37 @@
+"""Redistributing one rank's local piece: what the DTensor methods, the dispatcher and rules that
+move their inputs themselves call."""
+from __future__ import annotations
+
+import torch
+
+from ..spec import DTensorSpec, normalize_placements
+from .executor import run_plan
+from .planner import plan_redistribute
+
+__all__ = ["redistribute_local", "redistribute_target"]
+
+
+def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec,
+                       async_op: bool = False):
+    """``local`` (this rank's piece of a tensor laid out as ``src``) laid out as ``dst``: the
+    same tensor when nothing changes, else a new one; with ``async_op`` maybe a ``Pending``."""
+    if src == dst:
+        return local
+    if src.tensor_meta != dst.tensor_meta:  # e.g. a gradient of another dtype than its input
+        src = DTensorSpec(src.mesh, src.placements, dst.tensor_meta, src.shard_order)
+    return run_plan(local, plan_redistribute(src, dst), async_op)
+
+
+def redistribute_target(src: DTensorSpec, device_mesh, placements) -> DTensorSpec:
+    """The spec ``redistribute(device_mesh, placements)`` of a DTensor laid out as ``src`` aims
+    at, with the user's arguments checked."""
+    mesh = src.mesh if device_mesh is None else device_mesh
+    if mesh != src.mesh:
+        raise ValueError(
+            f"redistribute between different meshes is not supported: the DTensor lives on "
+            f"{src.mesh} and the target is {mesh}. Use full_tensor() and distribute_tensor() "
+            "onto the new mesh, or DCP to reshard a checkpoint")
+    if placements is None:
+        raise ValueError("redistribute needs placements, e.g. [Replicate()] or [Shard(0)]")
+    placements = normalize_placements(placements, mesh, src.ndim)
+    return DTensorSpec(mesh, placements, src.tensor_meta)
