@@ -1,0 +1,189 @@
+"""FSDP frees at the earliest safe moment: every group is followed through a training step.
+
+At every FSDP hook (``fsdp.hooks.observe``) the test checks which groups hold unsharded
+parameters (gathered tensors or an all-gather in flight) and unsharded gradient buffers: only the
+current group and the one prefetched next to it, plus the groups that keep their parameters from
+forward to backward by configuration (the root; every block under
+``reshard_after_forward=False``), and only between their forward and their backward. After the
+step nothing is alive but the sharded parameters, their sharded gradients and optimizer state.
+"""
+import gc
+
+import pytest
+import torch
+import torch.nn as nn
+
+from dtensor_lite import DTensor, init_device_mesh
+from fsdp import fully_shard
+from fsdp.hooks import observe
+from fsdp.param_group import ShardState
+from tests.harness import distributed
+
+BLOCKS, H = 10, 8
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm = nn.LayerNorm(H)
+        self.up = nn.Linear(H, 2 * H)
+        self.down = nn.Linear(2 * H, H)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(H, H)
+        self.blocks = nn.ModuleList(Block() for _ in range(BLOCKS))
+        self.head = nn.Linear(H, 3)
+
+    def forward(self, x):
+        h = self.inp(x)
+        for b in self.blocks:
+            h = b(h)
+        return self.head(h)
+
+
+def build(layout: str, reshard_after_forward: bool):
+    import tp
+    torch.manual_seed(0)
+    net = Net()
+    world = torch.distributed.get_world_size()
+    if layout == "2d":
+        mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+        for b in net.blocks:
+            tp.parallelize_module(b, mesh["tp"], {"up": tp.ColwiseParallel(),
+                                                  "down": tp.RowwiseParallel()})
+        dp_mesh = mesh["dp"]
+    else:
+        dp_mesh = init_device_mesh("cpu", (world,))
+    for b in net.blocks:
+        fully_shard(b, mesh=dp_mesh, reshard_after_forward=reshard_after_forward)
+    fully_shard(net, mesh=dp_mesh)
+    return net
+
+
+class Follower:
+    """Checks, after every FSDP hook, which groups hold unsharded buffers."""
+
+    def __init__(self, net):
+        self.states = [net._get_fsdp_state()] + [b._get_fsdp_state() for b in net.blocks]
+        self.order = [s.group for s in self.states]          # pre-forward order: root, blocks
+        # post-forward order (blocks, then root): backward prefetches the group before in it
+        self.post_order = self.order[1:] + self.order[:1]
+        self.forwarded: set = set()
+        self.backwarded: set = set()
+        self.events = 0
+        self.max_unsharded = 0
+
+    @staticmethod
+    def holds_params(g) -> bool:
+        return g.unsharded_nbytes() > 0 or g._pending_ag is not None
+
+    @staticmethod
+    def neighbour(order, g, step):
+        i = order.index(g) + step
+        return {order[i]} if 0 <= i < len(order) else set()
+
+    def __call__(self, event, state):
+        self.events += 1
+        g = state.group
+        ctx = state.ctx
+        if event == "pre_forward":
+            self.forwarded.add(g)
+        elif event == "post_backward":
+            self.backwarded.add(g)
+        # groups that keep parameters between forward and backward by configuration
+        kept = {x for x in self.order if not x.reshards_after_forward()
+                and x in self.forwarded and x not in self.backwarded}
+        following = self.neighbour(self.order, g, 1)        # prefetched in forward
+        preceding = self.neighbour(self.post_order, g, -1)  # prefetched in backward
+        allowed = {"pre_forward": {g} | following, "post_forward": following,
+                   "pre_backward": {g} | preceding, "post_backward": preceding,
+                   "end_of_backward": set()}[event]
+        holders = {x for x in self.order if self.holds_params(x)}
+        extra = holders - allowed - kept
+        assert not extra, (f"after {event} of group {self.order.index(g)}: groups "
+                           f"{sorted(self.order.index(x) for x in extra)} hold unsharded "
+                           f"parameters (allowed: current + prefetched + kept)")
+        self.max_unsharded = max(self.max_unsharded, len(holders - kept))
+        if event == "post_backward":
+            assert g not in holders, "a group still holds its parameters after its backward"
+        # unsharded gradients: handed to the reduce-scatter in the group's post-backward; its
+        # input lives only while the collective runs
+        grad_holders = [x for x in self.order if any(t is not None for t in x.grads)]
+        pending = ctx.pending_reduce
+        rs_inputs = 0 if pending is None else sum(b[3] is not None for b in pending.buckets)
+        if event in ("pre_backward", "end_of_backward"):
+            # the previous group's reduce-scatter is finished before this group computes
+            assert pending is None, f"a reduce-scatter is still pending after {event}"
+        assert len(grad_holders) + rs_inputs <= 1, (
+            f"after {event}: {len(grad_holders)} groups hold unsharded gradients and "
+            f"{rs_inputs} reduce-scatter inputs are alive")
+
+
+def _alive_storages() -> dict[int, int]:
+    """``{data_ptr: nbytes}`` of every non-empty storage a live Python tensor refers to."""
+    gc.collect()
+    out = {}
+    for obj in gc.get_objects():
+        if type(obj) in (torch.Tensor, torch.nn.Parameter, DTensor):
+            local = obj.to_local() if isinstance(obj, DTensor) else obj
+            if local.device.type != "meta" and local.untyped_storage().nbytes():
+                s = local.untyped_storage()
+                out[s.data_ptr()] = s.nbytes()
+    return out
+
+
+def _storages_of(tensors) -> set[int]:
+    return {(t.to_local() if isinstance(t, DTensor) else t).untyped_storage().data_ptr()
+            for t in tensors}
+
+
+def _follow_step(layout, reshard_after_forward):
+    net = build(layout, reshard_after_forward)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    x = torch.randn(4, H, generator=torch.Generator().manual_seed(torch.distributed.get_rank()))
+
+    def step():
+        net(x).square().mean().backward()
+        opt.step()
+
+    step()                       # creates the optimizer state
+    opt.zero_grad()
+    before = _alive_storages()
+    follower = Follower(net)
+    with observe(follower):
+        step()
+    # every hook of every group was seen: 11 groups x (pre/post forward, pre/post backward), + 1
+    assert follower.events == 4 * (BLOCKS + 1) + 1
+    assert 1 <= follower.max_unsharded <= 2  # the current group and the prefetched one at most
+    for g in follower.order:
+        assert g.state is ShardState.SHARDED and g.unsharded_nbytes() == 0
+        assert g._pending_ag is None and all(t is None for t in g.grads)
+    assert follower.states[0].ctx.pending_reduce is None
+    # every tensor the step left alive is a sharded gradient (or optimizer state)
+    params = list(net.parameters())
+    expected = _storages_of(params + [p.grad for p in params if p.grad is not None]
+                            + [t for st in opt.state.values() for t in st.values()
+                               if isinstance(t, torch.Tensor)] + [x])
+    new = {ptr: n for ptr, n in _alive_storages().items() if ptr not in before}
+    left = {ptr: n for ptr, n in new.items() if ptr not in expected}
+    assert not left, f"{len(left)} storages ({sum(left.values())} bytes) outlive the step"
+
+
+@distributed(world_size=2, timeout=120)
+@pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["raf", "no-raf"])
+def test_groups_followed_through_a_step_world2(reshard_after_forward):
+    _follow_step("fsdp", reshard_after_forward)
+
+
+@distributed(world_size=4, timeout=120)
+@pytest.mark.parametrize("layout,reshard_after_forward",
+                         [("fsdp", True), ("2d", True), ("2d", False)],
+                         ids=["fsdp-raf", "2d-raf", "2d-no-raf"])
+def test_groups_followed_through_a_step_world4(layout, reshard_after_forward):
+    _follow_step(layout, reshard_after_forward)
