@@ -12,25 +12,26 @@ Python numbers are in the key by type and value (they can change dtype promotion
 rules), except for ops registered with ``scalars_by_sign`` (pointwise, foreach and fused optimizer
 ops, whose rules read signs only): there only their type and sign are, so an optimizer's per-step
 scalars and an LR schedule reuse one decision. The cache is an LRU of bounded size.
+
+Read top-down: the cache key and the hot path (``dispatch``), a decision and how it runs,
+``_decide`` (rule -> strategies -> targets and output specs), then the decisions that are not a
+rule's: plain tensors inside backward, decompositions, and ops without a rule (``_fallback``).
+In-place view ops, ``out=`` overloads and views that had to copy live in ``_aliasing``.
 """
 from __future__ import annotations
 
-
-import weakref
-
 import torch
-from torch.utils._mode_utils import no_dispatch
 from torch.utils._pytree import tree_map
 
-from . import _caches, _fallback, debug
+from . import _aliasing, _caches, _fallback, debug
+from ._aliasing import COPIED_VIEWS
 from .dtensor import DTensor, use_dispatcher
-from .redistribute import redistribute_local
 from .ops import _registry
 from .ops._expansion import expand_strategies
-from .ops._registry import Decompose, FullStrategy, OpCall
+from .ops._registry import Decompose, FullStrategy, OpCall, UnsupportedOpError
 from .ops.kit import target_spec
 from .ops.random import ensure_rng_synced
-from .redistribute import plan_redistribute
+from .redistribute import plan_redistribute, redistribute_local
 from .spec import DTensorSpec, TensorMeta
 
 __all__ = ["dispatch"]
@@ -41,10 +42,6 @@ _DECISIONS: dict = _caches.register_decisions(_caches.LRUCache(_caches.DECISIONS
 _touch = _DECISIONS.move_to_end
 _SIGN_KEYED = _registry.SIGN_KEYED
 _NUMBER_TYPES = (int, float, bool, complex)
-
-
-class UnsupportedOpError(NotImplementedError):
-    pass
 
 
 # ------------------------------------------------------------------ cache key
@@ -79,42 +76,6 @@ def _signed(a, dts: list):
 
 
 _BY_SIGN = object()  # marks sign-class keys: never equal to a by-value key of the same op
-
-# Views that are not views: a view op (view, reshape's view, flatten, select, ...) whose input
-# had to be redistributed returns a DTensor over *new* local pieces, where plain torch returns an
-# alias. Writing into it in place would silently not reach the original, so in-place ops on
-# these (and on views of them) raise. Keyed by id (a WeakSet would compare tensors with ==), each
-# entry leaves when its DTensor dies; the hot path tests only whether the dict is empty.
-_COPIED_VIEWS: dict[int, weakref.ref] = {}
-
-
-def _add_copied_view(dt: DTensor):
-    key = id(dt)
-    _COPIED_VIEWS[key] = weakref.ref(dt, lambda _ref, key=key: _COPIED_VIEWS.pop(key, None))
-
-
-def _check_not_copied_view(d, dts):
-    """Called only while some copied view is alive: refuse writes into one, and let views of a
-    copied view inherit the mark (they alias the copy, not the original)."""
-    if d.mutated is not None and id(dts[d.mutated]) in _COPIED_VIEWS:
-        dt = dts[d.mutated]
-        raise RuntimeError(
-            f"{d.op} writes in place into a DTensor {tuple(dt.shape)} {list(dt.placements)} that "
-            "came out of a view op whose input had to be redistributed, so it holds a copy: plain "
-            "torch would write through to the viewed tensor, here the write would be lost. "
-            "Redistribute the input first so that the view moves no data (e.g. to a layout that "
-            "keeps the viewed dims whole), or .clone() the view if a separate tensor is meant")
-
-
-def _mark_if_copied_view(d, dts, out):
-    if torch._C._current_autograd_node() is not None:
-        return out  # made by backward (a gradient): nobody holds the "viewed" tensor to write to
-    if d.copies_view or (d.view_src is not None and id(dts[d.view_src]) in _COPIED_VIEWS):
-        for o in (out if isinstance(out, (tuple, list)) else (out,)):
-            if isinstance(o, DTensor):
-                _add_copied_view(o)
-    return out
-
 
 def dispatch(op, args, kwargs):
     # The hot path: one pass over the args builds the key and collects the DTensors. Specs are
@@ -154,8 +115,8 @@ def dispatch(op, args, kwargs):
     if not d.fast:
         return d.run(args, kwargs, dts)
     # cache hit of the common shape: DTensors at top level, nothing to move
-    if _COPIED_VIEWS:
-        _check_not_copied_view(d, dts)
+    if COPIED_VIEWS:
+        _aliasing.check_not_copied_view(d, dts)
     largs = list(args)
     for pos, dt in zip(d.flat_positions, dts):
         largs[pos] = dt._local_tensor
@@ -167,8 +128,8 @@ def dispatch(op, args, kwargs):
                       device=out.device, layout=out.layout, requires_grad=False)
     r._local_tensor = out
     r._spec = spec
-    if _COPIED_VIEWS and d.view_src is not None:
-        _mark_if_copied_view(d, dts, r)
+    if COPIED_VIEWS and d.view_src is not None:
+        _aliasing.mark_if_copied_view(d, dts, r)
     return r
 
 
@@ -185,8 +146,8 @@ class _Decision:
                  "view_src", "copies_view")
 
     def run(self, args, kwargs, dts, validate=False):
-        if _COPIED_VIEWS:
-            _check_not_copied_view(self, dts)
+        if COPIED_VIEWS:
+            _aliasing.check_not_copied_view(self, dts)
         targets = self.targets
         if self.needs_redistribute:
             if debug._EXPLICIT:
@@ -210,7 +171,7 @@ class _Decision:
             _validate_outputs(self, out)
         if self.view_src is None:
             return self._wrap(out, dts)
-        return _mark_if_copied_view(self, dts, self._wrap(out, dts))
+        return _aliasing.mark_if_copied_view(self, dts, self._wrap(out, dts))
 
     def _wrap(self, out, dts):
         kind = self.out_kind
@@ -318,15 +279,6 @@ def _mutated_arg(op, args, kwargs, dts):
     return None
 
 
-def _no_rule_error(op, dts):
-    placements = [list(dt.placements) for dt in dts]
-    return UnsupportedOpError(
-        f"dtensor_lite has no sharding rule for {op} (DTensor inputs with placements "
-        f"{placements}). Options: redistribute the inputs to Replicate() and call "
-        "to_local(); wrap the code in dtensor_lite.local_map; or register a rule with "
-        "@dtensor_lite.register_sharding(" + str(op).replace(".default", "") + ")")
-
-
 def _decide(op, args, kwargs, dts) -> _Decision:
     if not dts:  # only reachable through odd subclass paths: nothing distributed here
         raise RuntimeError(f"{op}: dispatched to DTensor without DTensor arguments")
@@ -336,10 +288,13 @@ def _decide(op, args, kwargs, dts) -> _Decision:
         return _PlainInBackwardDecision(op, mesh)
     rule = _registry.get_rule(op)
     if rule is None:
-        if _INPLACE_VIEW in op.tags:
-            return _inplace_view_decision(op, args, kwargs, dts)
-        if any(a.is_out for a in op._schema.arguments) and _functional_overload(op) is not None:
-            return _OutDecision(op)
+        if _aliasing.INPLACE_VIEW in op.tags:
+            decision = _aliasing.inplace_view_decision(op, args, kwargs, dts, _decide)
+            if decision is not None:
+                return decision
+        if (any(a.is_out for a in op._schema.arguments)
+                and _aliasing.functional_overload(op) is not None):
+            return _aliasing.OutDecision(op)
         return _FallbackDecision(op, args, kwargs, dts, mesh)
     spec_args, spec_kwargs = _spec_args(op, args, kwargs)
     inputs = [dt._spec for dt in dts]
@@ -441,61 +396,6 @@ class _DecomposeDecision:
         return self.fn(*args, **kwargs)
 
 
-class _OutDecision:
-    """An ``out=`` overload: run the functional op (through the dispatcher, so its rule picks
-    the placements), then write the result into the ``out`` DTensors at their placements."""
-
-    fast = False
-
-    def __init__(self, op):
-        self.functional = _functional_overload(op)
-        self.out_names = [a.name for a in op._schema.arguments if a.is_out]
-        self.op = op
-
-    def run(self, args, kwargs, dts, validate=False):
-        kwargs = dict(kwargs)
-        outs = [kwargs.pop(name) for name in self.out_names]
-        returns_nothing = not self.op._schema.returns
-        if len(outs) == 1 and isinstance(outs[0], (list, tuple)):
-            outs = list(outs[0])  # foreach out=: one list of outs, one per result
-        result = self.functional(*args, **kwargs)
-        results = result if isinstance(result, (tuple, list)) else (result,)
-        for out, res in zip(outs, results):
-            if not isinstance(out, DTensor):
-                raise ValueError(f"{self.op}: out= must be a DTensor when the inputs are DTensors")
-            if out.shape != res.shape:
-                raise ValueError(f"{self.op}: out= has shape {tuple(out.shape)} but the result "
-                                 f"has shape {tuple(res.shape)}; pass an out of the result's shape")
-            if res._spec.placements != out._spec.placements or \
-                    res._spec.shard_order != out._spec.shard_order:
-                if debug._EXPLICIT:
-                    debug.observe_implicit_redistribute(self.op, [(
-                        0, res._spec, out._spec, plan_redistribute(res._spec, out._spec).cost)],
-                        "the result is written into out= of other placements")
-                res = res.redistribute(out.device_mesh, out.placements)
-            out._local_tensor.copy_(res._local_tensor)
-        if returns_nothing:
-            return None
-        return outs[0] if len(outs) == 1 else tuple(outs)
-
-
-def _functional_overload(op, packet_name=None):
-    """The non-mutating overload of ``packet_name`` (default: the op's own packet) taking the op's
-    non-out arguments; where several take the same names (squeeze.dim / squeeze.dims), the one
-    whose types match too."""
-    packet = getattr(torch.ops.aten, packet_name or op._schema.name.split("::")[-1])
-    args = [a for a in op._schema.arguments if not a.is_out]
-    wanted = [a.name for a in args]
-    cands = [getattr(packet, name) for name in packet.overloads()]
-    cands = [c for c in cands if not c._schema.is_mutable and
-             [a.name for a in c._schema.arguments] == wanted]
-    typed = [c for c in cands if [str(a.type) for a in c._schema.arguments] ==
-             [str(a.type) for a in args]]
-    if typed or cands:
-        return (typed or cands)[0]
-    return None
-
-
 # ------------------------------------------------------------------ ops without a rule
 class _FallbackDecision:
     """No rule: run the op on whole tensors (see :mod:`._fallback`): replicated inputs as they
@@ -510,10 +410,10 @@ class _FallbackDecision:
         self.op = op
         self.mesh = mesh
         self.targets = _fallback.replicated_targets(dts)
-        self.written = _written_inputs(op, args, kwargs, dts)
+        self.written = _aliasing.written_inputs(op, args, kwargs, dts)
         self.mutated = self.written[0] if self.written else None
         gathers = any(t is not None for t in self.targets)
-        if gathers and _INPLACE_VIEW in op.tags:
+        if gathers and _aliasing.INPLACE_VIEW in op.tags:
             raise UnsupportedOpError(
                 f"{op} changes the view of a DTensor with placements "
                 f"{[list(dt.placements) for dt in dts]} in place and has no sharding rule; the "
@@ -526,8 +426,8 @@ class _FallbackDecision:
         self.random = torch.Tag.nondeterministic_seeded in op.tags
 
     def run(self, args, kwargs, dts, validate=False):
-        if _COPIED_VIEWS:
-            _check_not_copied_view(self, dts)
+        if COPIED_VIEWS:
+            _aliasing.check_not_copied_view(self, dts)
         op = self.op
         locals_ = _fallback.gather_whole(op, dts, self.targets, warn=True)
         if self.random:
@@ -540,130 +440,11 @@ class _FallbackDecision:
                 _fallback.write_back(op, dt, locals_[j])
             elif tuple(dt._local_tensor.shape) != tuple(dt.shape) or \
                     tuple(dt._local_tensor.stride()) != tuple(dt.stride()):
-                _rewrap_in_place(op, args, kwargs, dt)
+                _aliasing.rewrap_in_place(op, args, kwargs, dt)
         out = _fallback.wrap_whole(out, self.mesh, dts, locals_)
         if self.view_src is None:
             return out
-        return _mark_if_copied_view(self, dts, out)
-
-
-def _written_inputs(op, args, kwargs, dts) -> tuple:
-    """Indices (in dts) of the DTensors that the op writes into (in-place self, out=, ...)."""
-    ids = set()
-    for k, arg in enumerate(op._schema.arguments):
-        if arg.alias_info is None or not arg.alias_info.is_write:
-            continue
-        value = args[k] if k < len(args) else kwargs.get(arg.name)
-        for v in (value if isinstance(value, (list, tuple)) else (value,)):
-            if isinstance(v, DTensor):
-                ids.add(id(v))
-    return tuple(j for j, dt in enumerate(dts) if id(dt) in ids)
-
-
-def _rewrap_in_place(op, args, kwargs, dt):
-    """A replicated DTensor whose local tensor the op re-shaped in place (an in-place view op,
-    resize_): its spec and wrapper follow the local tensor."""
-    loc = dt._local_tensor
-    dt._spec = DTensorSpec(dt._spec.mesh, dt._spec.placements,
-                           TensorMeta(loc.shape, tuple(loc.stride()), loc.dtype))
-    _set_wrapper_meta(op, args, kwargs)
-    if tuple(dt.shape) != tuple(loc.shape):
-        raise RuntimeError(f"{op}: the DTensor wrapper could not follow its local tensor's new "
-                           f"shape {tuple(loc.shape)} (it stayed {tuple(dt.shape)})")
-
-
-# ------------------------------------------------------------------ in-place view ops
-_INPLACE_VIEW = torch.Tag.inplace_view
-
-
-def _inplace_view_decision(op, args, kwargs, dts):
-    """``t_``, ``transpose_``, ``squeeze_``, ``unsqueeze_`` (``swapdims_`` & co decompose into
-    these before dispatch): decided as the functional op, then applied to the DTensor itself."""
-    x = dts[0]
-    if op is torch.ops.aten.as_strided_.default:
-        size, stride = args[1], args[2]
-        offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
-        if tuple(size) == tuple(x.shape) and tuple(stride) == tuple(x.stride()) and \
-                offset in (None, x.storage_offset()):
-            return _DecomposeDecision(lambda self, *a, **k: self)  # changes nothing
-        raise UnsupportedOpError(
-            f"{op}: a DTensor cannot take arbitrary sizes/strides in place (placements "
-            f"{list(x.placements)}, shape {tuple(x.shape)} -> {tuple(size)}, stride "
-            f"{tuple(x.stride())} -> {tuple(stride)}): strides address one global storage that "
-            "no rank holds. Use view / reshape / permute / transpose (out of place), or "
-            "full_tensor() and as_strided on the plain tensor")
-    functional = _functional_overload(op, op._schema.name.split("::")[-1].rstrip("_"))
-    if functional is None or _registry.get_rule(functional) is None:
-        return _FallbackDecision(op, args, kwargs, dts, x._spec.mesh)
-    inner = _decide(functional, args, kwargs, dts)
-    if not isinstance(inner, _Decision) or inner.out_kind != "tensor":
-        raise _no_rule_error(op, dts)
-    tgt, spec = inner.targets[0], x._spec
-    if tgt is not None and (any(
-            p != q and not (p.is_shard() and x.shape[p.dim] == 1 and q.is_replicate())
-            for p, q in zip(spec.placements, tgt.placements)) or any(
-            n != 1 and a != b for n, a, b in zip(x.shape, spec.shard_order, tgt.shard_order))):
-        # only the gather of a size-1 shard keeps every element where it was (see run())
-        raise RuntimeError(
-            f"{op} on a DTensor with placements {list(x.placements)} and shape "
-            f"{tuple(x.shape)} would need it redistributed to {list(tgt.placements)}, which an "
-            f"in-place view cannot do; use the out-of-place {functional} instead")
-    return _InplaceViewDecision(op, inner)
-
-
-class _InplaceViewDecision:
-    """Run the functional op's decision, then give its spec and local piece to the input DTensor
-    itself and change the wrapper's sizes and strides in place, as the op does to a plain tensor.
-
-    Each rank's piece keeps its storage, so views taken earlier still alias it: a piece that the
-    functional op only viewed takes the view's geometry in place. The one redistribution allowed
-    is squeezing a size-1 dim sharded over some mesh dims (squeeze goes by the *global* size):
-    that dim becomes Replicate, which the rank holding the element(s) already has -- it re-views
-    its own piece -- and the other ranks, whose pieces were empty, take the gathered copy."""
-
-    fast = False
-
-    def __init__(self, op, inner):
-        self.op = op
-        self.inner = inner
-
-    def run(self, args, kwargs, dts, validate=False):
-        x = dts[0]
-        old = x._local_tensor
-        new = self.inner.run(args, kwargs, dts, validate)._local_tensor
-        if _same_storage(old, new):
-            old.as_strided_(new.size(), new.stride(), new.storage_offset())
-        elif old.numel() == new.numel():
-            v = old.view(new.shape)
-            old.as_strided_(v.size(), v.stride(), v.storage_offset())
-        elif old.numel() == 0:
-            x._local_tensor = new
-        else:
-            raise RuntimeError(f"{self.op}: local piece of shape {tuple(old.shape)} cannot "
-                               f"become {tuple(new.shape)} in place (a bug in the rule)")
-        x._spec = self.inner.out_specs
-        _set_wrapper_meta(self.op, args, kwargs)
-        if validate and (tuple(x.shape) != tuple(x._spec.shape) or
-                         tuple(x.stride()) != tuple(x._spec.stride)):
-            raise RuntimeError(f"{self.op}: wrapper became {tuple(x.shape)}/{x.stride()} but the "
-                               f"spec says {x._spec.shape}/{x._spec.stride} (a bug)")
-        return x
-
-
-def _same_storage(a, b):
-    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
-
-
-def _set_wrapper_meta(op, args, kwargs):
-    """Apply an in-place view op to the wrapper's own sizes/strides: its meta kernel, with
-    dispatch to subclasses off (what torch's return_and_correct_aliasing does for these ops)."""
-    with no_dispatch():
-        meta_in_tls = torch._C._meta_in_tls_dispatch_include()
-        torch._C._set_meta_in_tls_dispatch_include(True)
-        try:
-            op(*args, **kwargs)
-        finally:
-            torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
+        return _aliasing.mark_if_copied_view(self, dts, out)
 
 
 def _out_spec(mesh, placements, meta: torch.Tensor, order):
@@ -674,7 +455,6 @@ def _out_spec(mesh, placements, meta: torch.Tensor, order):
         order = tuple(order) + ((),) * (meta.ndim - len(order))
     return DTensorSpec(mesh, placements, TensorMeta(meta.shape, tuple(meta.stride()), meta.dtype),
                        order)
-
 
 
 use_dispatcher(dispatch)

@@ -26,9 +26,14 @@ from ..dtensor import DTensor
 from ..spec import DTensorSpec
 
 __all__ = ["OpCall", "FullStrategy", "Decompose", "register_rule", "set_rule", "get_rule",
-           "key_scalars_by_value", "intercept_composite", "RULES", "SIGN_KEYED"]
+           "key_scalars_by_value", "intercept_composite", "RULES", "SIGN_KEYED",
+           "UnsupportedOpError"]
 
 RULES: dict = {}
+
+
+class UnsupportedOpError(NotImplementedError):
+    """An op on DTensors that dtensor_lite cannot run (and will not guess at)."""
 
 
 class OpCall:

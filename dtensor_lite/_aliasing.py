@@ -1,0 +1,254 @@
+"""Where DTensor ops must behave like aliasing in plain torch: in-place view ops, ``out=``
+overloads, writes through in-place ops, and views that had to copy.
+
+The dispatcher (``_dispatch``) decides and runs ordinary ops; everything here is about *which
+tensor a result is*, not how it is sharded: an in-place view op changes the DTensor itself, an
+``out=`` op writes into the given DTensors, and a view whose input had to be redistributed is a
+copy that must refuse writes (plain torch would write through to the viewed tensor).
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch.utils._mode_utils import no_dispatch
+
+from . import debug
+from .dtensor import DTensor
+from .ops import _registry
+from .ops._registry import UnsupportedOpError
+from .redistribute import plan_redistribute
+from .spec import DTensorSpec, TensorMeta
+
+__all__ = ["COPIED_VIEWS", "check_not_copied_view", "mark_if_copied_view", "OutDecision",
+           "functional_overload", "written_inputs", "rewrap_in_place", "INPLACE_VIEW",
+           "inplace_view_decision"]
+
+INPLACE_VIEW = torch.Tag.inplace_view
+
+
+# ------------------------------------------------------------------ views that copied
+# Views that are not views: a view op (view, reshape's view, flatten, select, ...) whose input
+# had to be redistributed returns a DTensor over *new* local pieces, where plain torch returns an
+# alias. Writing into it in place would silently not reach the original, so in-place ops on
+# these (and on views of them) raise. Keyed by id (a WeakSet would compare tensors with ==), each
+# entry leaves when its DTensor dies; the hot path tests only whether the dict is empty.
+COPIED_VIEWS: dict[int, weakref.ref] = {}
+
+
+def _add_copied_view(dt: DTensor):
+    key = id(dt)
+    COPIED_VIEWS[key] = weakref.ref(dt, lambda _ref, key=key: COPIED_VIEWS.pop(key, None))
+
+
+def check_not_copied_view(d, dts):
+    """Called only while some copied view is alive: refuse writes into one, and let views of a
+    copied view inherit the mark (they alias the copy, not the original)."""
+    if d.mutated is not None and id(dts[d.mutated]) in COPIED_VIEWS:
+        dt = dts[d.mutated]
+        raise RuntimeError(
+            f"{d.op} writes in place into a DTensor {tuple(dt.shape)} {list(dt.placements)} that "
+            "came out of a view op whose input had to be redistributed, so it holds a copy: plain "
+            "torch would write through to the viewed tensor, here the write would be lost. "
+            "Redistribute the input first so that the view moves no data (e.g. to a layout that "
+            "keeps the viewed dims whole), or .clone() the view if a separate tensor is meant")
+
+
+def mark_if_copied_view(d, dts, out):
+    if torch._C._current_autograd_node() is not None:
+        return out  # made by backward (a gradient): nobody holds the "viewed" tensor to write to
+    if d.copies_view or (d.view_src is not None and id(dts[d.view_src]) in COPIED_VIEWS):
+        for o in (out if isinstance(out, (tuple, list)) else (out,)):
+            if isinstance(o, DTensor):
+                _add_copied_view(o)
+    return out
+
+
+
+# ------------------------------------------------------------------ out= overloads
+class OutDecision:
+    """An ``out=`` overload: run the functional op (through the dispatcher, so its rule picks
+    the placements), then write the result into the ``out`` DTensors at their placements."""
+
+    fast = False
+
+    def __init__(self, op):
+        self.functional = functional_overload(op)
+        self.out_names = [a.name for a in op._schema.arguments if a.is_out]
+        self.op = op
+
+    def run(self, args, kwargs, dts, validate=False):
+        kwargs = dict(kwargs)
+        outs = [kwargs.pop(name) for name in self.out_names]
+        returns_nothing = not self.op._schema.returns
+        if len(outs) == 1 and isinstance(outs[0], (list, tuple)):
+            outs = list(outs[0])  # foreach out=: one list of outs, one per result
+        result = self.functional(*args, **kwargs)
+        results = result if isinstance(result, (tuple, list)) else (result,)
+        for out, res in zip(outs, results):
+            if not isinstance(out, DTensor):
+                raise ValueError(f"{self.op}: out= must be a DTensor when the inputs are DTensors")
+            if out.shape != res.shape:
+                raise ValueError(f"{self.op}: out= has shape {tuple(out.shape)} but the result "
+                                 f"has shape {tuple(res.shape)}; pass an out of the result's shape")
+            if res._spec.placements != out._spec.placements or \
+                    res._spec.shard_order != out._spec.shard_order:
+                if debug._EXPLICIT:
+                    debug.observe_implicit_redistribute(self.op, [(
+                        0, res._spec, out._spec, plan_redistribute(res._spec, out._spec).cost)],
+                        "the result is written into out= of other placements")
+                res = res.redistribute(out.device_mesh, out.placements)
+            out._local_tensor.copy_(res._local_tensor)
+        if returns_nothing:
+            return None
+        return outs[0] if len(outs) == 1 else tuple(outs)
+
+
+def functional_overload(op, packet_name=None):
+    """The non-mutating overload of ``packet_name`` (default: the op's own packet) taking the op's
+    non-out arguments; where several take the same names (squeeze.dim / squeeze.dims), the one
+    whose types match too."""
+    packet = getattr(torch.ops.aten, packet_name or op._schema.name.split("::")[-1])
+    args = [a for a in op._schema.arguments if not a.is_out]
+    wanted = [a.name for a in args]
+    cands = [getattr(packet, name) for name in packet.overloads()]
+    cands = [c for c in cands if not c._schema.is_mutable and
+             [a.name for a in c._schema.arguments] == wanted]
+    typed = [c for c in cands if [str(a.type) for a in c._schema.arguments] ==
+             [str(a.type) for a in args]]
+    if typed or cands:
+        return (typed or cands)[0]
+    return None
+
+
+def written_inputs(op, args, kwargs, dts) -> tuple:
+    """Indices (in dts) of the DTensors that the op writes into (in-place self, out=, ...)."""
+    ids = set()
+    for k, arg in enumerate(op._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        value = args[k] if k < len(args) else kwargs.get(arg.name)
+        for v in (value if isinstance(value, (list, tuple)) else (value,)):
+            if isinstance(v, DTensor):
+                ids.add(id(v))
+    return tuple(j for j, dt in enumerate(dts) if id(dt) in ids)
+
+
+def rewrap_in_place(op, args, kwargs, dt):
+    """A replicated DTensor whose local tensor the op re-shaped in place (an in-place view op,
+    resize_): its spec and wrapper follow the local tensor."""
+    loc = dt._local_tensor
+    dt._spec = DTensorSpec(dt._spec.mesh, dt._spec.placements,
+                           TensorMeta(loc.shape, tuple(loc.stride()), loc.dtype))
+    _set_wrapper_meta(op, args, kwargs)
+    if tuple(dt.shape) != tuple(loc.shape):
+        raise RuntimeError(f"{op}: the DTensor wrapper could not follow its local tensor's new "
+                           f"shape {tuple(loc.shape)} (it stayed {tuple(dt.shape)})")
+
+
+# ------------------------------------------------------------------ in-place view ops
+INPLACE_VIEW = torch.Tag.inplace_view
+
+
+def inplace_view_decision(op, args, kwargs, dts, decide):
+    """``t_``, ``transpose_``, ``squeeze_``, ``unsqueeze_`` (``swapdims_`` & co decompose into
+    these before dispatch): decided as the functional op (by the dispatcher's ``decide``), then
+    applied to the DTensor itself. None where the functional op has no rule (the caller falls
+    back to running on whole tensors)."""
+    x = dts[0]
+    if op is torch.ops.aten.as_strided_.default:
+        size, stride = args[1], args[2]
+        offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
+        if tuple(size) == tuple(x.shape) and tuple(stride) == tuple(x.stride()) and \
+                offset in (None, x.storage_offset()):
+            return _Unchanged()
+        raise UnsupportedOpError(
+            f"{op}: a DTensor cannot take arbitrary sizes/strides in place (placements "
+            f"{list(x.placements)}, shape {tuple(x.shape)} -> {tuple(size)}, stride "
+            f"{tuple(x.stride())} -> {tuple(stride)}): strides address one global storage that "
+            "no rank holds. Use view / reshape / permute / transpose (out of place), or "
+            "full_tensor() and as_strided on the plain tensor")
+    functional = functional_overload(op, op._schema.name.split("::")[-1].rstrip("_"))
+    if functional is None or _registry.get_rule(functional) is None:
+        return None
+    inner = decide(functional, args, kwargs, dts)
+    if getattr(inner, "out_kind", None) != "tensor":  # the rule decomposed: no piece to re-view
+        raise UnsupportedOpError(
+            f"{op} on DTensors with placements {[list(dt.placements) for dt in dts]}: the "
+            f"rule of {functional} runs it as a composition of ops, which cannot re-view the "
+            "DTensor in place; use the out-of-place op")
+    tgt, spec = inner.targets[0], x._spec
+    if tgt is not None and (any(
+            p != q and not (p.is_shard() and x.shape[p.dim] == 1 and q.is_replicate())
+            for p, q in zip(spec.placements, tgt.placements)) or any(
+            n != 1 and a != b for n, a, b in zip(x.shape, spec.shard_order, tgt.shard_order))):
+        # only the gather of a size-1 shard keeps every element where it was (see run())
+        raise RuntimeError(
+            f"{op} on a DTensor with placements {list(x.placements)} and shape "
+            f"{tuple(x.shape)} would need it redistributed to {list(tgt.placements)}, which an "
+            f"in-place view cannot do; use the out-of-place {functional} instead")
+    return _InplaceViewDecision(op, inner)
+
+
+class _Unchanged:
+    """An in-place view op that keeps sizes and strides as they are."""
+
+    fast = False
+
+    def run(self, args, kwargs, dts, validate=False):
+        return dts[0]
+
+
+class _InplaceViewDecision:
+    """Run the functional op's decision, then give its spec and local piece to the input DTensor
+    itself and change the wrapper's sizes and strides in place, as the op does to a plain tensor.
+
+    Each rank's piece keeps its storage, so views taken earlier still alias it: a piece that the
+    functional op only viewed takes the view's geometry in place. The one redistribution allowed
+    is squeezing a size-1 dim sharded over some mesh dims (squeeze goes by the *global* size):
+    that dim becomes Replicate, which the rank holding the element(s) already has -- it re-views
+    its own piece -- and the other ranks, whose pieces were empty, take the gathered copy."""
+
+    fast = False
+
+    def __init__(self, op, inner):
+        self.op = op
+        self.inner = inner
+
+    def run(self, args, kwargs, dts, validate=False):
+        x = dts[0]
+        old = x._local_tensor
+        new = self.inner.run(args, kwargs, dts, validate)._local_tensor
+        if _same_storage(old, new):
+            old.as_strided_(new.size(), new.stride(), new.storage_offset())
+        elif old.numel() == new.numel():
+            v = old.view(new.shape)
+            old.as_strided_(v.size(), v.stride(), v.storage_offset())
+        elif old.numel() == 0:
+            x._local_tensor = new
+        else:
+            raise RuntimeError(f"{self.op}: local piece of shape {tuple(old.shape)} cannot "
+                               f"become {tuple(new.shape)} in place (a bug in the rule)")
+        x._spec = self.inner.out_specs
+        _set_wrapper_meta(self.op, args, kwargs)
+        if validate and (tuple(x.shape) != tuple(x._spec.shape) or
+                         tuple(x.stride()) != tuple(x._spec.stride)):
+            raise RuntimeError(f"{self.op}: wrapper became {tuple(x.shape)}/{x.stride()} but the "
+                               f"spec says {x._spec.shape}/{x._spec.stride} (a bug)")
+        return x
+
+
+def _same_storage(a, b):
+    return a.untyped_storage()._cdata == b.untyped_storage()._cdata
+
+
+def _set_wrapper_meta(op, args, kwargs):
+    """Apply an in-place view op to the wrapper's own sizes/strides: its meta kernel, with
+    dispatch to subclasses off (what torch's return_and_correct_aliasing does for these ops)."""
+    with no_dispatch():
+        meta_in_tls = torch._C._meta_in_tls_dispatch_include()
+        torch._C._set_meta_in_tls_dispatch_include(True)
+        try:
+            op(*args, **kwargs)
+        finally:
+            torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
