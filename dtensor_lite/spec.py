@@ -113,12 +113,22 @@ def _orders_from_placements(placements: tuple, mesh_shape: tuple, ndim: int):
     return tuple(orders)
 
 
-def _default_orders(placements: tuple, ndim: int):
-    orders = [[] for _ in range(ndim)]
+def shard_orders(placements, ndim: int, ranking: dict | None = None) -> tuple:
+    """Shard order per tensor dim: the mesh dims whose placement shards that dim, innermost last.
+    By default in mesh-dim order; with ``ranking`` (mesh dim -> position, carried from another
+    spec such as an FSDP-over-TP input) mesh dims keep that relative order, so local pieces of
+    tensors laid out alike still line up."""
+    per = [[] for _ in range(ndim)]
     for i, p in enumerate(placements):
         if p.is_shard():
-            orders[p.dim].append(i)
-    return tuple(tuple(o) for o in orders)
+            per[p.dim].append(i)
+    if ranking:
+        return tuple(tuple(sorted(o, key=lambda i: (ranking.get(i, i), i))) for o in per)
+    return tuple(tuple(o) for o in per)
+
+
+def _default_orders(placements: tuple, ndim: int):
+    return shard_orders(placements, ndim)
 
 
 _INTERNED: dict = _caches.register({})

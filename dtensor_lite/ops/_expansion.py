@@ -12,7 +12,7 @@ import math
 
 from ..placements import reductions_mix
 from ..redistribute.steps import estimate_bytes
-from ..spec import DTensorSpec
+from ..spec import DTensorSpec, shard_orders
 from ._registry import FullStrategy, OpCall
 
 __all__ = ["expand_strategies"]
@@ -118,13 +118,8 @@ def _transfer_orders(inputs, ins, outs):
     def order_for(placements):
         if placements is None:
             return None
-        per_dim: dict = {}
-        for i, p in enumerate(placements):
-            if p.is_shard():
-                per_dim.setdefault(p.dim, []).append(i)
-        ndim_guess = max(per_dim, default=-1) + 1
-        return tuple(tuple(sorted(per_dim.get(d, []), key=lambda i: (ranking.get(i, i), i)))
-                     for d in range(ndim_guess))
+        ndim_guess = max((p.dim + 1 for p in placements if p.is_shard()), default=0)
+        return shard_orders(placements, ndim_guess, ranking)
 
     def fit(order, ndim):
         if order is None:

@@ -20,7 +20,7 @@ import math
 import torch
 
 from ..placements import Partial, Replicate, Shard
-from ..spec import DTensorSpec, TensorMeta
+from ..spec import DTensorSpec, TensorMeta, shard_orders
 from ._registry import FullStrategy, register_rule
 from .kit import arg_at
 
@@ -33,12 +33,8 @@ _INT_MAX = 2 ** 63 - 1
 def carry_order(spec, out_placements, out_ndim: int) -> tuple:
     """Shard order of an output whose Shard placements each come from one input dim: mesh dims
     keep the relative order they had in the input (FSDP-over-TP layouts survive shape ops)."""
-    pos = {i: k for order in spec.shard_order for k, i in enumerate(order)}
-    per = [[] for _ in range(out_ndim)]
-    for i, p in enumerate(out_placements):
-        if p.is_shard():
-            per[p.dim].append(i)
-    return tuple(tuple(sorted(o, key=lambda i: (pos.get(i, i), i))) for o in per)
+    ranking = {i: k for order in spec.shard_order for k, i in enumerate(order)}
+    return shard_orders(out_placements, out_ndim, ranking)
 
 
 def kept_order(spec, ins) -> tuple:
