@@ -24,7 +24,7 @@ import torch
 
 __all__ = ["CommDebugMode", "ExposedCommMode", "ExplicitRedistributionContext",
            "strict_redistribute", "FallbackRedistributeWarning", "ImplicitRedistributionError",
-           "reset_fallback_warnings"]
+           "reset_fallback_warnings", "MemoryTracker"]
 
 _ACTIVE: list["CommDebugMode"] = []
 _TIMERS: list["ExposedCommMode"] = []
@@ -324,3 +324,6 @@ class ExposedCommMode:
     def __exit__(self, *exc):
         _TIMERS.remove(self)
         return False
+
+
+from .memory_tracker import MemoryTracker  # noqa: E402  (its own module; re-exported here)

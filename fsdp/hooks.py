@@ -43,6 +43,8 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
+from dtensor_lite.memory_tracker import FSDP_EVENT_OBSERVERS
+
 from .param_group import ShardState
 from .state import FSDPState
 
@@ -51,7 +53,8 @@ __all__ = ["pre_forward", "post_forward", "reshard_for_state_dict", "map_tensors
 
 
 # ===================================================================== observers
-_OBSERVERS: list[Callable[[str, FSDPState], None]] = []
+# one list shared with dtensor_lite's MemoryTracker, which follows FSDP's phases through it
+_OBSERVERS: list[Callable[[str, FSDPState], None]] = FSDP_EVENT_OBSERVERS
 
 
 class observe:

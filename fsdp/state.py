@@ -12,6 +12,8 @@ import weakref
 import torch
 import torch.nn as nn
 
+from dtensor_lite.memory_categories import COMM_BUFFERS, GRADIENTS, UNSHARDED_PARAMS
+
 from .param_group import ParamGroup, PendingReduce, ShardState
 
 __all__ = ["FSDPState", "RootContext", "all_states"]
@@ -72,6 +74,24 @@ class RootContext:
         self.in_backward = False
         self.is_last_backward = True
         self.pending_reduce: PendingReduce | None = None
+
+    # ----------------------------------------------------------------- memory
+    def memory_storages(self) -> dict[str, dict[int, int]]:
+        """What FSDP itself holds now, by category (dtensor_lite.memory_categories), as
+        ``{category: {storage data_ptr: bytes}}``: gathered parameters, unsharded gradients
+        awaiting reduction, buffers of collectives in flight."""
+        out = {UNSHARDED_PARAMS: {}, GRADIENTS: {}, COMM_BUFFERS: {}}
+        for g in self.groups:
+            for p in g.params:
+                _note(out[UNSHARDED_PARAMS], p.raw, *p._inner)
+            _note(out[GRADIENTS], *g.grads)
+            if g._pending_ag is not None:
+                _note(out[COMM_BUFFERS], g._pending_ag.out)
+            _note(out[COMM_BUFFERS], g._post_forward_buf)
+        if self.pending_reduce is not None:
+            for *_, inp, out_buf in self.pending_reduce.buckets:
+                _note(out[COMM_BUFFERS], inp, out_buf)
+        return out
 
     # ----------------------------------------------------------------- forward
     def begin_iteration(self):
@@ -144,3 +164,10 @@ class RootContext:
         from .hooks import _OBSERVERS, _notify  # hooks imports this module
         if _OBSERVERS:
             _notify("end_of_backward", self.root)
+
+
+def _note(into: dict[int, int], *tensors):
+    for t in tensors:
+        if t is not None and t.untyped_storage().nbytes():
+            s = t.untyped_storage()
+            into[s.data_ptr()] = s.nbytes()
