@@ -238,6 +238,22 @@ def _worker(rank, world, port, queue, fn, *fn_args):
         dist.destroy_process_group()
 
 
+def spawn_world(world: int, fn, *fn_args):
+    """Run ``fn(*fn_args)`` on ``world`` spawned gloo ranks; rank 0's result.
+    (benchmarks/overlap.py and compile_step.py spawn through this.)"""
+    queue = mp.get_context("spawn").Queue()
+    mp.start_processes(_worker, args=(world, _free_port(), queue, fn, *fn_args), nprocs=world,
+                       start_method="spawn", join=True)
+    return queue.get()
+
+
+def write_json(path: str, payload: dict):
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=1)
+    print(f"\nwrote {path}")
+
+
 def _run_all(world, args):
     return bench(args.impls, world, args.steps, args.warmup, args.profile)
 

@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import os
 import statistics
 import sys
@@ -40,15 +39,13 @@ import warnings
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.fsdp_step import _free_port, _worker  # noqa: E402
-from benchmarks.tp_step import _Stack, _translate_plan  # noqa: E402
+from benchmarks.fsdp_step import spawn_world, write_json  # noqa: E402
+from benchmarks.tp_step import _Stack, apply_llama_tp  # noqa: E402
 from dtensor_lite.debug import ExposedCommMode, on_completion  # noqa: E402
 from examples.llama import Llama, LlamaConfig, loss_fn  # noqa: E402
-from examples.llama_parallel import llama_tp_plan  # noqa: E402
 
 CFG = LlamaConfig(vocab_size=1024, dim=256, n_layers=4, n_heads=8, ffn_dim=704, max_seq_len=128)
 BATCH, SEQ = 8, 65
@@ -132,10 +129,7 @@ def build(impl: str, case: str, mode: str):
     torch.manual_seed(0)
     model = Llama(CFG)
     if "tp" in sizes:
-        plan = llama_tp_plan(model, sequence_parallel=False, loss_parallel=False)
-        if impl != "ours":
-            plan = _translate_plan(plan, stack)
-        stack.parallel.parallelize_module(model, mesh["tp"], plan)
+        apply_llama_tp(stack, model, mesh["tp"], sequence_parallel=False, loss_parallel=False)
     for block in model.layers:
         stack.fully_shard(block, mesh=mesh["dp_shard"])
     stack.fully_shard(model, mesh=mesh["dp_shard"])
@@ -217,19 +211,11 @@ def main():
     parser.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results",
                                                        "overlap.json"))
     args = parser.parse_args()
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    mp.start_processes(_worker, args=(4, _free_port(), queue, _run_all, args), nprocs=4,
-                       start_method="spawn", join=True)
-    rows = queue.get()
+    rows = spawn_world(4, _run_all, args)
     print(f"model: {CFG}\nglobal batch {BATCH} x {SEQ - 1} tokens, AdamW, gloo on CPU, 4 ranks "
           f"(rank 0 shown; medians of {args.steps} steps)\n")
     print(_table(rows))
-    os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
-    with open(args.json, "w") as f:
-        json.dump({"config": vars(CFG), "batch": BATCH, "seq": SEQ - 1, "rows": rows}, f,
-                  indent=1)
-    print(f"\nwrote {args.json}")
+    write_json(args.json, {"config": vars(CFG), "batch": BATCH, "seq": SEQ - 1, "rows": rows})
 
 
 if __name__ == "__main__":

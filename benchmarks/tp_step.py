@@ -100,6 +100,15 @@ def _translate_plan(plan: dict, stack: _Stack) -> dict:
     return out
 
 
+def apply_llama_tp(stack: _Stack, model, tp_mesh, sequence_parallel: bool, loss_parallel: bool):
+    """examples.llama_parallel's plan, through ``stack``'s styles. (benchmarks/overlap.py and
+    compile_step.py build through this.)"""
+    plan = llama_tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
+    if stack.impl != "ours":
+        plan = _translate_plan(plan, stack)
+    stack.parallel.parallelize_module(model, tp_mesh, plan)
+
+
 def build(impl: str, case: str):
     """The model of ``case`` parallelized by ``impl``, its AdamW, and whether loss parallel."""
     sizes, sp, lp = CASES[case]
@@ -107,10 +116,7 @@ def build(impl: str, case: str):
     mesh = stack.init_device_mesh("cpu", tuple(sizes.values()), mesh_dim_names=tuple(sizes))
     torch.manual_seed(0)
     model = Llama(CFG)
-    plan = llama_tp_plan(model, sequence_parallel=sp, loss_parallel=lp)
-    if impl != "ours":
-        plan = _translate_plan(plan, stack)
-    stack.parallel.parallelize_module(model, mesh["tp"], plan)
+    apply_llama_tp(stack, model, mesh["tp"], sp, lp)
     if "dp_shard" in sizes:
         for block in model.layers:
             stack.fully_shard(block, mesh=mesh["dp_shard"])

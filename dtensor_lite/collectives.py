@@ -23,6 +23,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ._compile import is_traced
 from .debug import _ACTIVE, _TIMERS, _record, _record_wait, _track_completion
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "scatter",
@@ -115,6 +116,38 @@ def _then(result, fn):
     return result.then(fn) if isinstance(result, Pending) else fn(result)
 
 
+_FUNCTIONAL = None
+
+
+def _functional():
+    """torch's traceable functional collectives (the ops are registered on first import)."""
+    global _FUNCTIONAL
+    if _FUNCTIONAL is None:
+        import torch.distributed._functional_collectives  # noqa: F401  (registers the ops)
+        _FUNCTIONAL = torch.ops._c10d_functional
+    return _FUNCTIONAL
+
+
+def _traced(kind: str, x: torch.Tensor, dg, *args):
+    """In a trace: the functional collective ``kind`` on ``x`` over ``dg``, waited (the compiler
+    is free to move the wait as late as the first use)."""
+    f = _functional()
+    name = dg.group.group_name
+    if kind == "all_gather":
+        out = f.all_gather_into_tensor(x, dg.size, name)
+    elif kind == "reduce_scatter":
+        out = f.reduce_scatter_tensor(x, args[0], dg.size, name)
+    elif kind == "all_reduce":
+        out = f.all_reduce(x, args[0], name)
+    else:  # all_to_all: equal splits along dim 0
+        split = [x.shape[0] // dg.size] * dg.size
+        out = f.all_to_all_single(x, split, split, name)
+    return f.wait_tensor(out)
+
+
+_TRACED_OP = {"sum": "sum", "avg": "sum", "max": "max", "min": "min"}  # avg: sum, then divide
+
+
 def _chunks_to_coord_order(out: torch.Tensor, dg) -> torch.Tensor:
     """``out`` holds n equal chunks along dim 0 in group-rank order; return coordinate order."""
     if dg.is_sorted:
@@ -142,8 +175,11 @@ def all_gather(tensor: torch.Tensor, mesh, mesh_dim: int, gather_dim: int = 0,
     if n == 1:
         return _launch("all_gather", None, lambda: tensor, async_op)
     x = _wire(tensor.movedim(gather_dim, 0) if gather_dim else tensor)
-    out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
-    work = _all_gather_single(out, x, group=dg.group, async_op=True)
+    if is_traced(x):
+        out, work = _traced("all_gather", x, dg), None
+    else:
+        out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
+        work = _all_gather_single(out, x, group=dg.group, async_op=True)
     _report("all_gather", (n - 1) * x.numel() * x.element_size(), n)
 
     def finish():
@@ -162,8 +198,12 @@ def reduce_scatter(tensor: torch.Tensor, mesh, mesh_dim: int, reduce_op: str = "
                        async_op)
     x = _wire(tensor.movedim(scatter_dim, 0) if scatter_dim else tensor)
     x = _chunks_to_group_order(x, dg).contiguous()
-    out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
-    work = _reduce_scatter_single(out, x, op=_REDUCE[reduce_op], group=dg.group, async_op=True)
+    if is_traced(x):
+        out, work = _traced("reduce_scatter", x, dg, _TRACED_OP[reduce_op]), None
+    else:
+        out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
+        work = _reduce_scatter_single(out, x, op=_REDUCE[reduce_op], group=dg.group,
+                                      async_op=True)
     _report("reduce_scatter", (n - 1) * out.numel() * out.element_size(), n)
 
     def finish():
@@ -180,8 +220,11 @@ def all_reduce(tensor: torch.Tensor, mesh, mesh_dim: int, reduce_op: str = "sum"
     if n == 1:
         return _launch("all_reduce", None, lambda: _finish_avg(tensor.clone(), reduce_op, n),
                        async_op)
-    x = _wire(tensor).clone()
-    work = dist.all_reduce(x, op=_REDUCE[reduce_op], group=dg.group, async_op=True)
+    if is_traced(tensor):
+        x, work = _traced("all_reduce", _wire(tensor), dg, _TRACED_OP[reduce_op]), None
+    else:
+        x = _wire(tensor).clone()
+        work = dist.all_reduce(x, op=_REDUCE[reduce_op], group=dg.group, async_op=True)
     _report("all_reduce", all_reduce_cost(x.numel(), x.element_size(), n), n)
     return _launch("all_reduce", work, lambda: _finish_avg(_unwire(x, tensor), reduce_op, n),
                    async_op)
@@ -203,8 +246,11 @@ def all_to_all(tensor: torch.Tensor, mesh, mesh_dim: int, split_dim: int, cat_di
         return _launch("all_to_all", None, lambda: tensor, async_op)
     x = _wire(tensor.movedim(split_dim, 0))
     x = _chunks_to_group_order(x, dg).contiguous()
-    out = torch.empty_like(x)
-    work = dist.all_to_all_single(out, x, group=dg.group, async_op=True)
+    if is_traced(x):
+        out, work = _traced("all_to_all", x, dg), None
+    else:
+        out = torch.empty_like(x)
+        work = dist.all_to_all_single(out, x, group=dg.group, async_op=True)
     _report("all_to_all", (n - 1) * (x.numel() // n) * x.element_size(), n)
 
     def finish():

@@ -12,10 +12,11 @@ import torch
 import torch.distributed as dist
 
 from .device_mesh import DeviceMesh
-from .placements import Placement, Replicate
+from .placements import Partial, Placement, Replicate, Shard, _StridedShard
 from .redistribute import redistribute_local, redistribute_target
 from .spec import DTensorSpec, TensorMeta, contiguous_stride, normalize_placements
 from . import _caches, _dcp
+from ._compile import boundary, register_constants
 
 __all__ = ["DTensor"]
 
@@ -119,6 +120,7 @@ class DTensor(torch.Tensor):
         return self._spec.mesh
 
     @staticmethod
+    @boundary
     def from_local(local_tensor: torch.Tensor, device_mesh: DeviceMesh | None = None,
                    placements=None, *, run_check: bool = False, shape=None,
                    stride=None) -> "DTensor":
@@ -157,6 +159,7 @@ class DTensor(torch.Tensor):
                 "or use run_check=True to derive it from all ranks")
         return _FromLocal.apply(local_tensor, spec)
 
+    @boundary
     def to_local(self, *, grad_placements=None) -> torch.Tensor:
         """This rank's piece. ``grad_placements`` says how the local gradient is laid out
         (default: as this DTensor is)."""
@@ -164,6 +167,7 @@ class DTensor(torch.Tensor):
             return self._local_tensor
         return _ToLocal.apply(self, grad_placements)
 
+    @boundary
     def redistribute(self, device_mesh: DeviceMesh | None = None, placements=None, *,
                      async_op: bool = False) -> "DTensor":
         """The same global tensor with new ``placements``, at the least communication.
@@ -181,10 +185,15 @@ class DTensor(torch.Tensor):
         dst = redistribute_target(self._spec, device_mesh, placements)
         return _Redistribute.apply(self, dst, bool(async_op))
 
+    @boundary
     def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
         """The whole global tensor on every rank (a plain tensor). Differentiable."""
         replicated = self.redistribute(self._spec.mesh, [Replicate()] * self._spec.mesh.ndim)
         return replicated.to_local(grad_placements=grad_placements)
+
+
+# what crosses a torch.compile boundary besides tensors (see _compile.py)
+register_constants(DeviceMesh, DTensorSpec, Shard, _StridedShard, Replicate, Partial)
 
 
 def _rebuild_dtensor(local, spec, requires_grad):

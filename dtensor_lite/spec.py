@@ -214,6 +214,19 @@ class DTensorSpec:
         _intern(key, spec)
         return spec
 
+    # interned: equal specs are one object. Spelled out (C-level hash, identity equality) so
+    # torch.compile may treat specs as constants (it wants a class-defined __eq__ / __hash__)
+    __hash__ = object.__hash__
+
+    def __eq__(self, other):
+        return self is other
+
+    def __copy__(self):
+        return self
+
+    def __deepcopy__(self, memo):
+        return self  # immutable and interned: a copy of the value is the value
+
     def __setattr__(self, name, value):
         if name != "_local_cache":
             raise AttributeError("DTensorSpec is immutable")

@@ -17,6 +17,11 @@ every step draws the same global batch of windows on every rank from the step nu
 data-parallel rank trains on its rows, and TP ranks of one data-parallel group share theirs. So a
 run's losses do not depend on the mesh; ``reference_losses`` is the same training in one process.
 
+``--ac full|selective`` checkpoints every block's activations; ``--compile [BACKEND]`` compiles
+every block with ``torch.compile`` (inductor unless a backend is named). The summary at the end
+shows, per rank, the step time, the communication the step waited for (exposed) against the time
+collectives were in flight, and peak memory.
+
 Checkpoints use ``torch.distributed.checkpoint`` on the sharded state dicts: ``--save DIR``
 writes one at the end, ``--resume DIR`` continues from one, on any mesh.
 Runs on CPU processes (gloo) by default, on GPUs (nccl) when CUDA is available.
@@ -27,6 +32,8 @@ import argparse
 import dataclasses
 import math
 import os
+import resource
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -39,6 +46,7 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dtensor_lite import DTensor, Partial, init_device_mesh  # noqa: E402
+from dtensor_lite.debug import ExposedCommMode  # noqa: E402
 from dtensor_lite.state_dict import get_state_dict, set_state_dict  # noqa: E402
 from examples.llama import Llama, LlamaConfig, loss_fn  # noqa: E402
 from examples.llama_parallel import (AC_MODES, apply_activation_checkpointing,  # noqa: E402
@@ -64,6 +72,7 @@ class TrainConfig:
     resume: str | None = None
     quiet: bool = False
     ac: str = "none"            # activation checkpointing per block: none | full | selective
+    compile: str | None = None  # torch.compile each block with this backend (e.g. "inductor")
     model: LlamaConfig = dataclasses.field(default_factory=lambda: LlamaConfig(
         vocab_size=256, dim=64, n_layers=2, n_heads=4, ffn_dim=160, max_seq_len=64))
 
@@ -134,10 +143,15 @@ def build(cfg: TrainConfig, mesh, sizes: dict[str, int]):
         parallelize_llama(model, mesh["tp"], sequence_parallel=cfg.sequence_parallel,
                           loss_parallel=cfg.loss_parallel)
     apply_activation_checkpointing(model, cfg.ac)
-    if dp_names(sizes):
-        dp_mesh = mesh[dp_names(sizes)]
-        for block in model.layers:
+    dp_mesh = mesh[dp_names(sizes)] if dp_names(sizes) else None
+    for block in model.layers:
+        if dp_mesh is not None:
             fully_shard(block, mesh=dp_mesh)
+        if cfg.compile:
+            # in place (Module.compile): parameter names and checkpoints stay as they are; the
+            # FSDP hooks run eagerly around the compiled forward (see fsdp/hooks.py)
+            block.compile(backend=cfg.compile)
+    if dp_mesh is not None:
         fully_shard(model, mesh=dp_mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     return model, opt
@@ -202,12 +216,14 @@ def train(cfg: TrainConfig) -> list[float]:
     world_mesh = init_device_mesh(device_type, (world,))
     tokens = corpus_tokens()
     lp = uses_loss_parallel(cfg, sizes)
-    losses = []
+    losses, timings = [], []
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         inputs, targets = global_batch(tokens, step, cfg)
         inputs, targets = (dp_rows(x, mesh, sizes).to(device_type) for x in (inputs, targets))
-        local = train_step(model, opt, inputs, targets, lp)
+        with ExposedCommMode() as comm:
+            local = train_step(model, opt, inputs, targets, lp)
+        timings.append((time.perf_counter() - t0, comm))
         # every rank's loss as the pieces of a Partial("avg") DTensor: full_tensor() averages
         mean = DTensor.from_local(local.reshape(1).float(), world_mesh,
                                   [Partial("avg")]).full_tensor()
@@ -216,9 +232,28 @@ def train(cfg: TrainConfig) -> list[float]:
             show.step(step, losses[-1], cfg.batch * cfg.seq / (time.perf_counter() - t0))
     if cfg.save:
         save_checkpoint(cfg.save, model, opt, cfg.steps)
+    per_rank = None
+    if not cfg.quiet and timings:  # every rank's numbers, for rank 0's summary
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, rank_summary(timings, device_type))
     if show:
-        show.finish(losses, cfg.save)
+        show.finish(losses, cfg.save, per_rank)
     return losses
+
+
+def rank_summary(timings, device_type: str) -> dict:
+    """This rank's median step time, exposed (waited-for) and in-flight communication per step,
+    and peak memory (CUDA: allocated by tensors; CPU: the process's peak resident set)."""
+    steady = timings[1:] or timings  # the first step pays for warm-up (groups, caches, compile)
+    if device_type == "cuda":
+        peak = torch.cuda.max_memory_allocated()
+    else:
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    return {"rank": dist.get_rank(),
+            "step_s": statistics.median(t for t, _ in steady),
+            "exposed_comm_s": statistics.median(c.exposed_s for _, c in steady),
+            "comm_in_flight_s": statistics.median(c.total_s for _, c in steady),
+            "peak_memory_bytes": peak}
 
 
 def reference_losses(cfg: TrainConfig) -> list[float]:
@@ -284,17 +319,34 @@ class _Display:
         self.rates.append(rate)
         self.progress.update(self.task, completed=step + 1, loss=loss, rate=rate)
 
-    def finish(self, losses: list[float], saved: str | None):
+    def finish(self, losses: list[float], saved: str | None, per_rank: list[dict] | None = None):
         self.progress.stop()
         if not losses:
             self.console.print("nothing to do: the checkpoint is already at --steps")
             return
+        if per_rank:
+            self.console.print(_rank_table(per_rank))
         # the first steps include warm-up (process groups, caches): report the median rate
         rate = sorted(self.rates)[len(self.rates) // 2]
         self.console.print(
             f"[bold green]done[/]: {len(losses)} steps in {time.perf_counter() - self.t0:.1f} s, "
             f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, median {rate:,.0f} tokens/s"
             + (f", checkpoint saved to {saved}" if saved else ""))
+
+
+def _rank_table(per_rank: list[dict]):
+    from rich.table import Table
+    table = Table(title="per rank (medians over steps after the first)",
+                  caption="exposed: time the step waited on collectives; in flight: issue to "
+                          "completion, summed over collectives (dtensor_lite.debug.ExposedCommMode)")
+    for col in ("rank", "step ms", "exposed comm ms", "exposed % of step", "comm in flight ms",
+                "peak memory MiB"):
+        table.add_column(col, justify="right")
+    for r in per_rank:
+        table.add_row(str(r["rank"]), f"{1e3 * r['step_s']:.1f}", f"{1e3 * r['exposed_comm_s']:.1f}",
+                      f"{100 * r['exposed_comm_s'] / r['step_s']:.0f}%",
+                      f"{1e3 * r['comm_in_flight_s']:.1f}", f"{r['peak_memory_bytes'] / 2**20:,.0f}")
+    return table
 
 
 def _placement_cells(p, mesh, sizes) -> list[str]:
@@ -333,6 +385,9 @@ def parse_args(argv=None) -> TrainConfig:
     ap.add_argument("--ac", choices=AC_MODES, default=d.ac,
                     help="activation checkpointing per block: recompute the whole block "
                          "(full) or all but its matmuls (selective) in backward")
+    ap.add_argument("--compile", nargs="?", const="inductor", default=d.compile,
+                    metavar="BACKEND", help="torch.compile each block (default backend "
+                                            "inductor; aot_eager compiles much faster)")
     args = ap.parse_args(argv)
     cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
                          if f.name != "model"})

@@ -139,6 +139,14 @@ def _recomputing() -> bool:
 
 
 # ===================================================================== forward hooks
+# torch.compile: FSDP's hooks run eagerly, outside any graph (one graph break before and one after
+# a compiled module's forward, as in torch's FSDP); they schedule communication and keep
+# per-step state, which a graph would freeze. The forward between them compiles, on the
+# unsharded tensors the pre-forward hook published.
+_eager = torch._disable_dynamo  # imports Dynamo at the first call, not at import
+
+
+@_eager
 def pre_forward(state: FSDPState, module: nn.Module, args, kwargs):
     if state.ctx is not None and _recomputing():
         _pre_recompute(state)
@@ -181,6 +189,7 @@ def _pre_recompute(state: FSDPState):
     _publish_for_forward(group, counted=group.uses_pending == 0)
 
 
+@_eager
 def post_forward(state: FSDPState, module: nn.Module, args, output):
     if _recomputing():  # keep the parameters: the backward running now needs them
         _hook_grad_outputs(state, output)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from dtensor_lite import DeviceMesh, DTensor, Placement, Replicate, Shard
+from dtensor_lite._compile import boundary
 
 __all__ = ["one_layout", "to_dtensor", "convert"]
 
@@ -48,6 +49,7 @@ def to_dtensor(x, mesh: DeviceMesh, layout: Placement, shape=None, *, who: str =
     return DTensor.from_local(x, mesh, [_normalized(layout, x.ndim)], shape=shape)
 
 
+@boundary  # torch.compile: one opaque call, its Python traced by AOTAutograd (see _compile.py)
 def convert(x, mesh: DeviceMesh, layout: Placement | None, desired: Placement | None,
             use_local: bool, shape=None, *, who: str = ""):
     """Declare ``x`` as ``layout``, redistribute to ``desired``, return a DTensor or its piece.

@@ -123,8 +123,9 @@ class ColwiseParallel(ParallelStyle):
         module.register_forward_pre_hook(_first_input_hook(
             lambda mod, x: convert(x, device_mesh, self.input_layouts, self.desired_input_layouts,
                                    use_local=False, who=who)))
+        produced = Shard(-1)  # made here, not per call: torch.compile wants constants made before
         module.register_forward_hook(
-            lambda mod, inputs, out: convert(out, device_mesh, Shard(-1), self.output_layouts,
+            lambda mod, inputs, out: convert(out, device_mesh, produced, self.output_layouts,
                                              self.use_local_output, who=who))
         return module
 
@@ -173,8 +174,9 @@ class RowwiseParallel(ParallelStyle):
                            who=who)
 
         module.register_forward_pre_hook(_first_input_hook(prepare_input))
+        produced = Replicate()  # (a DTensor output keeps its own placements; see convert)
         module.register_forward_hook(
-            lambda mod, inputs, out: convert(out, device_mesh, Replicate(), self.output_layouts,
+            lambda mod, inputs, out: convert(out, device_mesh, produced, self.output_layouts,
                                              self.use_local_output, who=who))
         return module
 

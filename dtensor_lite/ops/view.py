@@ -291,7 +291,7 @@ def _viewing(op):
     def local_op(x, shape):
         try:
             return op(x, shape)
-        except RuntimeError:
+        except (RuntimeError, ValueError):  # fake tensors (torch.compile) raise ValueError
             return aten.reshape.default(x, shape)
     return local_op
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from .. import collectives as C
+from .._compile import is_traced
 from ..placements import LINEAR_REDUCE_OPS
 from ..spec import chunk_range
 from .planner import RedistributePlan, Step
@@ -99,6 +100,7 @@ def run_plan(local: torch.Tensor, plan: RedistributePlan, async_op: bool = False
     issued, and a ``collectives.Pending`` comes back whose ``wait()`` finishes it and runs the
     steps after it (a plan without a collective returns its result directly)."""
     steps = plan.steps
+    async_op = async_op and not is_traced(local)  # in a graph, the compiler places the waits
     last = max((k for k, s in enumerate(steps) if STEP_KINDS[s.kind].collective), default=-1)
     x = local
     for k, step in enumerate(steps):
@@ -112,6 +114,7 @@ def run_plan(local: torch.Tensor, plan: RedistributePlan, async_op: bool = False
 def _finish_plan(x: torch.Tensor, steps, local: torch.Tensor) -> torch.Tensor:
     for step in steps:
         x = _run_step(x, step)
-    if x.untyped_storage().data_ptr() == local.untyped_storage().data_ptr() and local.numel() > 0:
+    # storage identity, not data_ptr: fake tensors (torch.compile) have storages but no data
+    if local.numel() > 0 and x.untyped_storage()._cdata == local.untyped_storage()._cdata:
         x = x.clone()  # a plan of only local slices must not hand back a view of its input
     return x
