@@ -275,20 +275,24 @@ class MemoryTracker:
                 out[phase] = row
         return out
 
-    def table(self, per_module: bool = True):
-        """A rich Table: the peak of each (module, phase), split into categories, in MiB."""
+    def table(self, per_module: bool = True, title: str | None = None):
+        """A rich Table in MiB: the peak of each (module, phase) -- of each phase with
+        ``per_module=False`` -- split into categories, and what was held at the start."""
         from rich.table import Table
-        t = Table(title=f"memory above start: peak {_mib(self.peak_bytes)} MiB")
-        t.add_column("module")
+        t = Table(title=title or f"memory above start: peak {_mib(self.peak_bytes)} MiB")
+        if per_module:
+            t.add_column("module")
         t.add_column("phase")
-        t.add_column("peak MiB", justify="right")
+        t.add_column("peak", justify="right")
         for k in CATEGORIES:
             t.add_column(k.replace("_", " "), justify="right")
         rows = self.by_module_phase() if per_module else {
-            ("all", phase): row for phase, row in self.by_phase().items()}
+            (None, phase): row for phase, row in self.by_phase().items()}
         for (module, phase), row in rows.items():
-            t.add_row(module, phase, _mib(row["peak"]), *(_mib(row[k]) for k in CATEGORIES))
-        t.add_row("held at start", "", "", *(_mib(self.at_start[k]) for k in CATEGORIES))
+            t.add_row(*([module] if per_module else []), phase, _mib(row["peak"]),
+                      *(_mib(row[k]) for k in CATEGORIES))
+        t.add_row(*([""] if per_module else []), "held at start", "",
+                  *(_mib(self.at_start[k]) for k in CATEGORIES))
         return t
 
 

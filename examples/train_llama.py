@@ -29,6 +29,7 @@ Runs on CPU processes (gloo) by default, on GPUs (nccl) when CUDA is available.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import math
 import os
@@ -46,7 +47,7 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dtensor_lite import DTensor, Partial, init_device_mesh  # noqa: E402
-from dtensor_lite.debug import ExposedCommMode  # noqa: E402
+from dtensor_lite.debug import ExposedCommMode, MemoryTracker  # noqa: E402
 from dtensor_lite.state_dict import get_state_dict, set_state_dict  # noqa: E402
 from examples.llama import Llama, LlamaConfig, loss_fn  # noqa: E402
 from examples.llama_parallel import (AC_MODES, apply_activation_checkpointing,  # noqa: E402
@@ -221,9 +222,14 @@ def train(cfg: TrainConfig) -> list[float]:
         t0 = time.perf_counter()
         inputs, targets = global_batch(tokens, step, cfg)
         inputs, targets = (dp_rows(x, mesh, sizes).to(device_type) for x in (inputs, targets))
-        with ExposedCommMode() as comm:
+        # the summary shows the last step's memory, per phase and category (rank 0)
+        tracked = show is not None and step == cfg.steps - 1
+        with ExposedCommMode() as comm, \
+                MemoryTracker(model, opt) if tracked else contextlib.nullcontext() as memory:
             local = train_step(model, opt, inputs, targets, lp)
         timings.append((time.perf_counter() - t0, comm))
+        if tracked:
+            show.memory = memory
         # every rank's loss as the pieces of a Partial("avg") DTensor: full_tensor() averages
         mean = DTensor.from_local(local.reshape(1).float(), world_mesh,
                                   [Partial("avg")]).full_tensor()
@@ -281,6 +287,7 @@ class _Display:
         from rich.table import Table
 
         self.console = Console()
+        self.memory = None  # a MemoryTracker of the last step
         self.t0 = time.perf_counter()
         self.rates: list[float] = []
         mesh_table = Table(title=f"device mesh ({mesh.device_type}, "
@@ -332,6 +339,10 @@ class _Display:
             f"[bold green]done[/]: {len(losses)} steps in {time.perf_counter() - self.t0:.1f} s, "
             f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, median {rate:,.0f} tokens/s"
             + (f", checkpoint saved to {saved}" if saved else ""))
+        if self.memory is not None:
+            self.console.print(self.memory.table(
+                per_module=False, title=f"rank 0, last step: peak "
+                f"{self.memory.peak_bytes / 2**20:.2f} MiB above its start (MiB)"))
 
 
 def _rank_table(per_rank: list[dict]):
