@@ -64,9 +64,12 @@ def _unwire(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def _report(kind: str, nbytes: int, n: int):
+def _report(kind: str, nbytes: int, n: int, mesh, mesh_dim: int):
     if _ACTIVE:
-        _record(kind, nbytes, n)
+        names = mesh.mesh_dim_names
+        label = names[mesh_dim] if names else str(mesh_dim)
+        # the group's global ranks too: a link model tells intra- from inter-node by them
+        _record(kind, nbytes, n, label, mesh._dim_group(mesh_dim).ranks)
 
 
 class Pending:
@@ -180,7 +183,7 @@ def all_gather(tensor: torch.Tensor, mesh, mesh_dim: int, gather_dim: int = 0,
     else:
         out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
         work = _all_gather_single(out, x, group=dg.group, async_op=True)
-    _report("all_gather", (n - 1) * x.numel() * x.element_size(), n)
+    _report("all_gather", (n - 1) * x.numel() * x.element_size(), n, mesh, mesh_dim)
 
     def finish():
         res = _unwire(_chunks_to_coord_order(out, dg), tensor)
@@ -204,7 +207,7 @@ def reduce_scatter(tensor: torch.Tensor, mesh, mesh_dim: int, reduce_op: str = "
         out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
         work = _reduce_scatter_single(out, x, op=_REDUCE[reduce_op], group=dg.group,
                                       async_op=True)
-    _report("reduce_scatter", (n - 1) * out.numel() * out.element_size(), n)
+    _report("reduce_scatter", (n - 1) * out.numel() * out.element_size(), n, mesh, mesh_dim)
 
     def finish():
         res = _finish_avg(_unwire(out, tensor), reduce_op, n)
@@ -225,7 +228,7 @@ def all_reduce(tensor: torch.Tensor, mesh, mesh_dim: int, reduce_op: str = "sum"
     else:
         x = _wire(tensor).clone()
         work = dist.all_reduce(x, op=_REDUCE[reduce_op], group=dg.group, async_op=True)
-    _report("all_reduce", all_reduce_cost(x.numel(), x.element_size(), n), n)
+    _report("all_reduce", all_reduce_cost(x.numel(), x.element_size(), n), n, mesh, mesh_dim)
     return _launch("all_reduce", work, lambda: _finish_avg(_unwire(x, tensor), reduce_op, n),
                    async_op)
 
@@ -251,7 +254,7 @@ def all_to_all(tensor: torch.Tensor, mesh, mesh_dim: int, split_dim: int, cat_di
     else:
         out = torch.empty_like(x)
         work = dist.all_to_all_single(out, x, group=dg.group, async_op=True)
-    _report("all_to_all", (n - 1) * (x.numel() // n) * x.element_size(), n)
+    _report("all_to_all", (n - 1) * (x.numel() // n) * x.element_size(), n, mesh, mesh_dim)
 
     def finish():
         res = _unwire(_chunks_to_coord_order(out, dg), tensor).movedim(0, split_dim)
@@ -270,7 +273,7 @@ def broadcast(tensor: torch.Tensor, mesh, mesh_dim: int, src_coord: int = 0) -> 
     src = dg.ranks[src_coord]
     _launch("broadcast", dist.broadcast(x, src=src, group=dg.group, async_op=True), lambda: None,
             False)
-    _report("broadcast", x.numel() * x.element_size(), n)
+    _report("broadcast", x.numel() * x.element_size(), n, mesh, mesh_dim)
     out = _unwire(x, tensor)
     if out is not tensor:
         tensor.copy_(out)
@@ -285,7 +288,8 @@ def broadcast_object(obj, mesh, mesh_dim: int, src_coord: int = 0):
         return obj
     box = [obj]
     dist.broadcast_object_list(box, src=dg.ranks[src_coord], group=dg.group)
-    _report("broadcast_object", 0, dg.size)  # pickled size is not known to every rank
+    # the pickled size is not known to every rank
+    _report("broadcast_object", 0, dg.size, mesh, mesh_dim)
     return box[0]
 
 
@@ -305,7 +309,7 @@ def scatter(chunks: list[torch.Tensor] | None, out: torch.Tensor, mesh, mesh_dim
         scatter_list = [wired[dg.ranks.index(r)] for r in sorted(dg.ranks)]
     _launch("scatter", dist.scatter(x, scatter_list, src=src, group=dg.group, async_op=True),
             lambda: None, False)
-    _report("scatter", (n - 1) * x.numel() * x.element_size(), n)
+    _report("scatter", (n - 1) * x.numel() * x.element_size(), n, mesh, mesh_dim)
     res = _unwire(x, out)
     if res is not out:
         out.copy_(res)
@@ -316,7 +320,8 @@ def flat_all_gather(out: torch.Tensor, inp: torch.Tensor, mesh, mesh_dim: int, a
     """FSDP's batched all-gather: 1-D ``inp`` into 1-D ``out`` of n*len(inp), in mesh order
     (requires a sorted mesh row; FSDP meshes always are). ``async_op``: a ``Pending``."""
     dg = mesh._dim_group(mesh_dim)
-    _report("all_gather", (dg.size - 1) * inp.numel() * inp.element_size(), dg.size)
+    _report("all_gather", (dg.size - 1) * inp.numel() * inp.element_size(), dg.size, mesh,
+            mesh_dim)
     work = _all_gather_single(out, inp, group=dg.group, async_op=True)
     return _launch("all_gather", work, lambda: None, async_op)
 
@@ -325,6 +330,7 @@ def flat_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, mesh, mesh_dim: in
                         reduce_op: str = "sum", async_op=False):
     """FSDP's batched reduce-scatter of a flat gradient buffer (sum; callers pre/post-divide)."""
     dg = mesh._dim_group(mesh_dim)
-    _report("reduce_scatter", (dg.size - 1) * out.numel() * out.element_size(), dg.size)
+    _report("reduce_scatter", (dg.size - 1) * out.numel() * out.element_size(), dg.size, mesh,
+            mesh_dim)
     work = _reduce_scatter_single(out, inp, op=_REDUCE[reduce_op], group=dg.group, async_op=True)
     return _launch("reduce_scatter", work, lambda: None, async_op)

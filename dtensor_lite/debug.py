@@ -30,10 +30,12 @@ _ACTIVE: list["CommDebugMode"] = []
 _TIMERS: list["ExposedCommMode"] = []
 
 
-def _record(kind: str, nbytes: int, group_size: int):
-    """Called by the collectives layer for every collective it issues."""
+def _record(kind: str, nbytes: int, group_size: int, mesh_dim: str = "?",
+            ranks: tuple[int, ...] = ()):
+    """Called by the collectives layer for every collective it issues: its kind, bytes sent per
+    rank, group size, the name of the mesh dim it ran over and that group's global ranks."""
     for mode in _ACTIVE:
-        mode._add(kind, nbytes, group_size)
+        mode._add(kind, nbytes, group_size, mesh_dim, ranks)
 
 
 def comm_debug_active() -> bool:
@@ -45,7 +47,8 @@ class CommDebugMode:
 
     ``get_comm_counts()`` -> ``{kind: count}``; ``get_comm_bytes()`` -> ``{kind: bytes}``;
     ``get_per_module_comm_counts()`` -> ``{module_fqn: {kind: count}}`` for collectives issued
-    inside a module's forward (``"Global"`` holds everything).
+    inside a module's forward (``"Global"`` holds everything);
+    ``get_comm_bytes_by_mesh_dim()`` -> ``{mesh dim name: {kind: bytes}}``.
     Kinds: ``all_gather``, ``reduce_scatter``, ``all_reduce``, ``all_to_all``, ``broadcast``,
     ``scatter``.
     """
@@ -54,17 +57,21 @@ class CommDebugMode:
         self.comm_counts: dict[str, int] = defaultdict(int)
         self.comm_bytes: dict[str, int] = defaultdict(int)
         self.per_module_counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
-        self.calls: list[tuple[str, int, int, str]] = []  # (kind, bytes, group size, module fqn)
+        # (kind, bytes, group size, module fqn, mesh dim name)
+        self.calls: list[tuple[str, int, int, str, str]] = []
+        self.mesh_dim_ranks: dict[str, set[tuple[int, ...]]] = defaultdict(set)  # groups seen
         self._module_stack: list[str] = []
         self._names: dict[int, str] = {}
         self._hooks = []
 
     # -- recording
-    def _add(self, kind: str, nbytes: int, group_size: int):
+    def _add(self, kind: str, nbytes: int, group_size: int, mesh_dim: str = "?",
+             ranks: tuple[int, ...] = ()):
         self.comm_counts[kind] += 1
         self.comm_bytes[kind] += nbytes
         fqn = self._module_stack[-1] if self._module_stack else "Global"
-        self.calls.append((kind, nbytes, group_size, fqn))
+        self.calls.append((kind, nbytes, group_size, fqn, mesh_dim))
+        self.mesh_dim_ranks[mesh_dim].add(ranks)
         self.per_module_counts["Global"][kind] += 1
         for name in dict.fromkeys(self._module_stack):  # every enclosing module, once
             self.per_module_counts[name][kind] += 1
@@ -81,6 +88,13 @@ class CommDebugMode:
 
     def get_total_bytes(self) -> int:
         return sum(self.comm_bytes.values())
+
+    def get_comm_bytes_by_mesh_dim(self) -> dict[str, dict[str, int]]:
+        """``{mesh dim name: {kind: bytes per rank}}``; a dim without names is its index."""
+        out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        for kind, nbytes, _, _, dim in self.calls:
+            out[dim][kind] += nbytes
+        return {d: dict(k) for d, k in out.items()}
 
     def get_per_module_comm_counts(self) -> dict[str, dict[str, int]]:
         return {k: dict(v) for k, v in self.per_module_counts.items()}

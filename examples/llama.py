@@ -20,6 +20,7 @@ class LlamaConfig:
     dim: int = 64
     n_layers: int = 2
     n_heads: int = 4
+    n_kv_heads: int | None = None  # grouped-query attention: k/v heads (None: n_heads)
     ffn_dim: int = 128
     max_seq_len: int = 64
     norm_eps: float = 1e-5
@@ -54,14 +55,29 @@ def apply_rotary(x, cos, sin):
     return x * cos + rotated * sin
 
 
+def repeat_kv(x, n_rep: int):
+    """[batch, seq, kv_heads, head_dim] -> [batch, seq, kv_heads * n_rep, head_dim]: query head
+    h reads k/v head h // n_rep (so a TP rank's block of query heads finds its k/v heads in its
+    own block of k/v heads)."""
+    if n_rep == 1:
+        return x
+    bsz, seq, kv_heads, head_dim = x.shape
+    return x.unsqueeze(3).expand(bsz, seq, kv_heads, n_rep, head_dim).reshape(
+        bsz, seq, kv_heads * n_rep, head_dim)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.n_heads = cfg.n_heads
         self.head_dim = cfg.dim // cfg.n_heads
+        n_kv_heads = cfg.n_kv_heads or cfg.n_heads
+        if cfg.n_heads % n_kv_heads:
+            raise ValueError(f"n_heads={cfg.n_heads} must be a multiple of n_kv_heads={n_kv_heads}")
+        self.n_rep = cfg.n_heads // n_kv_heads  # query heads per k/v head
         self.wq = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(cfg.dim, cfg.dim, bias=False)
 
     def forward(self, x, cos, sin):
@@ -71,6 +87,7 @@ class Attention(nn.Module):
         k = self.wk(x).view(bsz, seq, -1, self.head_dim)
         v = self.wv(x).view(bsz, seq, -1, self.head_dim)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        k, v = repeat_kv(k, self.n_rep), repeat_kv(v, self.n_rep)
         out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
                                              v.transpose(1, 2), is_causal=True)
         return self.wo(out.transpose(1, 2).reshape(bsz, seq, -1))
@@ -119,6 +136,18 @@ class Llama(nn.Module):
         for layer in self.layers:
             h = layer(h, cos, sin)
         return self.output(self.norm(h))
+
+
+# Llama 3 shapes (Meta's published configs: params.json of the 8B, 70B and 405B models)
+LLAMA3_CONFIGS = {
+    "llama3-8b": LlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
+                             ffn_dim=14336, max_seq_len=8192, rope_theta=500000.0),
+    "llama3-70b": LlamaConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
+                              ffn_dim=28672, max_seq_len=8192, rope_theta=500000.0),
+    "llama3-405b": LlamaConfig(vocab_size=128256, dim=16384, n_layers=126, n_heads=128,
+                               n_kv_heads=8, ffn_dim=53248, max_seq_len=8192,
+                               rope_theta=500000.0),
+}
 
 
 def loss_fn(logits, targets):

@@ -97,10 +97,12 @@ def parallelize_llama(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_paralle
     """
     tp = tp_mesh.size()
     n_heads = model.cfg.n_heads
-    if n_heads % tp:
-        raise ValueError(f"parallelize_llama: n_heads={n_heads} does not divide by the TP size "
-                         f"{tp}; each rank must hold whole attention heads (choose a TP size "
-                         f"that divides {n_heads})")
+    n_kv_heads = model.cfg.n_kv_heads or n_heads
+    for what, heads in (("n_heads", n_heads), ("n_kv_heads", n_kv_heads)):
+        if heads % tp:
+            raise ValueError(f"parallelize_llama: {what}={heads} does not divide by the TP size "
+                             f"{tp}; each rank must hold whole attention heads (choose a TP "
+                             f"size that divides {heads})")
     plan = llama_tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     parallelize_module(model, tp_mesh, plan)
     if sequence_parallel:

@@ -4,6 +4,7 @@
     torchrun --standalone --nproc-per-node 8 examples/train_llama.py \\
         --mesh dp_replicate=2,dp_shard=2,tp=2
     torchrun --standalone --nproc-per-node 4 examples/train_llama.py --mesh tp=4 --no-sp
+    python examples/train_llama.py --mesh dp_replicate=8,dp_shard=16,tp=8 --dry-run
 
 Mesh dims, outermost first (give any subset; their sizes multiply to the number of processes):
 
@@ -25,6 +26,9 @@ collectives were in flight, and peak memory.
 Checkpoints use ``torch.distributed.checkpoint`` on the sharded state dicts: ``--save DIR``
 writes one at the end, ``--resume DIR`` continues from one, on any mesh.
 Runs on CPU processes (gloo) by default, on GPUs (nccl) when CUDA is available.
+``--dry-run`` trains nothing: in one plain process it builds the model on the meta device,
+parallelises it on the whole ``--mesh`` (any size) over a fake process group and reports one
+step's memory, communication and time per rank (``dtensor_lite.plan``, docs/scale.md).
 """
 from __future__ import annotations
 
@@ -48,6 +52,8 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
 
 from dtensor_lite import DTensor, Partial, init_device_mesh  # noqa: E402
 from dtensor_lite.debug import ExposedCommMode, MemoryTracker  # noqa: E402
+from dtensor_lite.plan import dry_run  # noqa: E402
+from dtensor_lite.plan.cli import add_cost_args, cost_models, print_report  # noqa: E402
 from dtensor_lite.state_dict import get_state_dict, set_state_dict  # noqa: E402
 from examples.llama import Llama, LlamaConfig, loss_fn  # noqa: E402
 from examples.llama_parallel import (AC_MODES, apply_activation_checkpointing,  # noqa: E402
@@ -75,12 +81,13 @@ class TrainConfig:
     ac: str = "none"            # activation checkpointing per block: none | full | selective
     compile: str | None = None  # torch.compile each block with this backend (e.g. "inductor")
     model: LlamaConfig = dataclasses.field(default_factory=lambda: LlamaConfig(
-        vocab_size=256, dim=64, n_layers=2, n_heads=4, ffn_dim=160, max_seq_len=64))
+        vocab_size=256, dim=64, n_layers=2, n_heads=8, ffn_dim=160, max_seq_len=64))
 
 
 # ============================================================================ mesh
-def parse_mesh(text: str, world_size: int) -> dict[str, int]:
-    """``"dp_shard=2,tp=2"`` -> ``{"dp_shard": 2, "tp": 2}`` in canonical order, checked."""
+def parse_mesh(text: str, world_size: int | None) -> dict[str, int]:
+    """``"dp_shard=2,tp=2"`` -> ``{"dp_shard": 2, "tp": 2}`` in canonical order, checked
+    (``world_size=None``: any size, as the dry run has no processes to match)."""
     sizes: dict[str, int] = {}
     for part in filter(None, (p.strip() for p in text.split(","))):
         name, _, value = part.partition("=")
@@ -91,11 +98,13 @@ def parse_mesh(text: str, world_size: int) -> dict[str, int]:
             raise SystemExit(f"--mesh: {name} given twice in {text!r}")
         sizes[name] = int(value)
     if not sizes:
+        if world_size is None:
+            raise SystemExit("--mesh: give the mesh to plan for, e.g. --mesh dp_shard=8,tp=8")
         sizes = {"dp_shard": world_size}
     if "dp_replicate" in sizes and "dp_shard" not in sizes:
         raise SystemExit("--mesh: dp_replicate (HSDP) needs dp_shard too, e.g. "
                          "dp_replicate=2,dp_shard=2")
-    if math.prod(sizes.values()) != world_size:
+    if world_size is not None and math.prod(sizes.values()) != world_size:
         raise SystemExit(f"--mesh {text!r} holds {math.prod(sizes.values())} ranks but "
                          f"{world_size} processes are running; make the sizes multiply to "
                          f"{world_size} (torchrun --nproc-per-node N)")
@@ -202,13 +211,7 @@ def train(cfg: TrainConfig) -> list[float]:
     sizes = parse_mesh(cfg.mesh, world)
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
-    n_dp = dp_size(sizes)
-    if cfg.batch % n_dp:
-        raise SystemExit(f"--batch {cfg.batch} does not divide by the data-parallel size "
-                         f"{n_dp}; every data-parallel rank trains on batch/{n_dp} rows")
-    if "tp" in sizes and cfg.sequence_parallel and cfg.seq % sizes["tp"]:
-        raise SystemExit(f"--seq {cfg.seq} does not divide by tp={sizes['tp']} (sequence "
-                         "parallelism splits it); change --seq or pass --no-sp")
+    check_shapes(cfg, sizes)
     model, opt = build(cfg, mesh, sizes)
     start = load_checkpoint(cfg.resume, model, opt) if cfg.resume else 0
     show = _Display(cfg, mesh, sizes, model, start) if not cfg.quiet and dist.get_rank() == 0 \
@@ -260,6 +263,36 @@ def rank_summary(timings, device_type: str) -> dict:
             "exposed_comm_s": statistics.median(c.exposed_s for _, c in steady),
             "comm_in_flight_s": statistics.median(c.total_s for _, c in steady),
             "peak_memory_bytes": peak}
+
+
+def check_shapes(cfg: TrainConfig, sizes: dict[str, int]):
+    n_dp = dp_size(sizes)
+    if cfg.batch % n_dp:
+        raise SystemExit(f"--batch {cfg.batch} does not divide by the data-parallel size "
+                         f"{n_dp}; every data-parallel rank trains on batch/{n_dp} rows")
+    if "tp" in sizes and cfg.sequence_parallel and cfg.seq % sizes["tp"]:
+        raise SystemExit(f"--seq {cfg.seq} does not divide by tp={sizes['tp']} (sequence "
+                         "parallelism splits it); change --seq or pass --no-sp")
+
+
+def dry_run_setup(cfg: TrainConfig):
+    """``setup(mesh)`` for ``dtensor_lite.plan.dry_run``: this script's model, parallelisation
+    and training step, unchanged, on the (meta) mesh it is given.
+
+    Example::
+
+        >>> from dtensor_lite.plan import dry_run
+        >>> report = dry_run(dry_run_setup(cfg), {"dp_shard": 2, "tp": 2})
+    """
+    def setup(mesh):
+        sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
+        check_shapes(cfg, sizes)
+        model, opt = build(cfg, mesh, sizes)
+        # this rank's rows (token ids: their values never matter to the sizes)
+        inputs = torch.zeros(cfg.batch // dp_size(sizes), cfg.seq, dtype=torch.long)
+        lp = uses_loss_parallel(cfg, sizes)
+        return model, opt, lambda: train_step(model, opt, inputs, inputs, lp)
+    return setup
 
 
 def reference_losses(cfg: TrainConfig) -> list[float]:
@@ -376,13 +409,27 @@ def _placement_cells(p, mesh, sizes) -> list[str]:
 
 # ============================================================================ command line
 def parse_args(argv=None) -> TrainConfig:
+    args = _parser().parse_args(argv)
+    if args.batch is None:
+        # a dry run of a large mesh: one sequence per data-parallel rank unless told otherwise
+        args.batch = dp_size(parse_mesh(args.mesh, None)) if args.dry_run else TrainConfig.batch
+    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
+                         if f.name != "model"})
+    if cfg.seq > cfg.model.max_seq_len:
+        cfg.model = dataclasses.replace(cfg.model, max_seq_len=cfg.seq)
+    return cfg
+
+
+def _parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--mesh", default=d.mesh,
                     help="mesh dims and sizes, e.g. dp_shard=4 | tp=2 | dp_shard=2,tp=2 | "
                          "dp_replicate=2,dp_shard=2,tp=2 (default %(default)s)")
     ap.add_argument("--steps", type=int, default=d.steps, help="total steps (default %(default)s)")
-    ap.add_argument("--batch", type=int, default=d.batch)
+    ap.add_argument("--batch", type=int, default=None,
+                    help=f"global batch in sequences (default {d.batch}; with --dry-run one per "
+                         "data-parallel rank)")
     ap.add_argument("--seq", type=int, default=d.seq)
     ap.add_argument("--lr", type=float, default=d.lr)
     ap.add_argument("--seed", type=int, default=d.seed)
@@ -399,15 +446,28 @@ def parse_args(argv=None) -> TrainConfig:
     ap.add_argument("--compile", nargs="?", const="inductor", default=d.compile,
                     metavar="BACKEND", help="torch.compile each block (default backend "
                                             "inductor; aot_eager compiles much faster)")
-    args = ap.parse_args(argv)
-    cfg = TrainConfig(**{f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)
-                         if f.name != "model"})
-    if cfg.seq > cfg.model.max_seq_len:
-        cfg.model = dataclasses.replace(cfg.model, max_seq_len=cfg.seq)
-    return cfg
+    ap.add_argument("--dry-run", action="store_true",
+                    help="train nothing: print what one step on --mesh (any size, e.g. "
+                         "dp_replicate=8,dp_shard=16,tp=8) holds, sends and costs per rank, "
+                         "from one plain process (dtensor_lite.plan; docs/scale.md)")
+    add_cost_args(ap)
+    return ap
+
+
+def dry_run_main(argv=None):
+    """``--dry-run``: the report of ``python -m dtensor_lite.plan`` for this script's model."""
+    cfg = parse_args(argv)
+    args = _parser().parse_args(argv)
+    link, compute = cost_models(args)
+    report = dry_run(dry_run_setup(cfg), parse_mesh(cfg.mesh, None), rank=args.rank,
+                     link_model=link, compute_model=compute)
+    print_report(report, args.json, title=f"dry run of train_llama.py: batch {cfg.batch} x seq "
+                                          f"{cfg.seq}, activation checkpointing {cfg.ac}")
 
 
 def main(argv=None):
+    if _parser().parse_args(argv).dry_run:
+        return dry_run_main(argv)
     cfg = parse_args(argv)
     if "RANK" not in os.environ:  # plain `python train_llama.py`: one process
         os.environ.update(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",

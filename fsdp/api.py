@@ -268,7 +268,10 @@ def _mesh_device(mesh: DeviceMesh) -> torch.device:
             raise ValueError(f"fully_shard: the mesh {mesh} is a 'cuda' mesh but CUDA is not "
                              "available here; build a 'cpu' mesh (init_device_mesh('cpu', ...))")
         return torch.device("cuda", torch.cuda.current_device())
-    raise ValueError(f"fully_shard supports 'cpu' and 'cuda' meshes, got a "
+    if mesh.device_type == "meta":
+        # a mesh of meta devices (the dry run, dtensor_lite.plan): every buffer is shapes only
+        return torch.device("meta")
+    raise ValueError(f"fully_shard supports 'cpu', 'cuda' and 'meta' meshes, got a "
                      f"'{mesh.device_type}' mesh {mesh}")
 
 

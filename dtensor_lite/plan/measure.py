@@ -1,0 +1,246 @@
+"""Measure one training step of one rank: bytes held by category, communication by mesh dim,
+and FLOPs. The same meter runs in the dry run (meta tensors, a fake process group) and in a real
+multi-process run, so the two can be compared figure for figure.
+
+What is measured, and how (every figure is this rank's):
+
+* ``sharded params``: storages of the parameters' local pieces when the step starts.
+* ``grads``: storages of the ``.grad`` local pieces when the optimizer step begins (after
+  backward and its gradient reduction).
+* ``optimizer state``: storages of every tensor in ``optimizer.state`` after the step.
+* ``activations``: storages created during forward (and the loss) that are still alive when
+  backward begins, other than parameters: what autograd, activation checkpointing (the inputs it
+  keeps, the outputs selective checkpointing saves) and the loss hold for backward. Seen by a
+  dispatch mode that notes every fresh output storage; backward begins at the first unpack of a
+  saved tensor.
+* ``unsharded params``: storages that modules expose as parameters during forward but that are
+  not the sharded parameters (FSDP's gathered ones); the peak of their live bytes is sampled at
+  every module's forward exit and every collective, in forward and backward.
+* ``comm buffers``: FSDP's flat buffers, from the recorded collectives: the largest all-gather
+  output plus the largest reduce-scatter input (the most alive at once with prefetch depth 1).
+* communication: CommDebugMode's records (every collective passes through
+  ``dtensor_lite.collectives``), by kind and mesh dim, with each dim's group ranks.
+* FLOPs: torch's flop formulas (``torch.utils.flop_counter``) on each op's global shapes, divided
+  over the mesh dims where a DTensor op's output is sharded or partial (each rank computes that
+  share); ops on plain tensors count whole (they are this rank's own work).
+"""
+from __future__ import annotations
+
+import math
+import weakref
+from collections import defaultdict
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
+
+from ..debug import CommDebugMode
+from ..dtensor import DTensor
+from ..memory_categories import (ACTIVATIONS, COMM_BUFFERS, GRADS, OPTIMIZER_STATE,
+                                 SHARDED_PARAMS, UNSHARDED_PARAMS)
+
+__all__ = ["StepMeter", "storage_bytes"]
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _storage(t: torch.Tensor):
+    return _local(t).untyped_storage()
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages under ``tensors`` (DTensors count their local piece; views
+    of one storage count once). Works on meta tensors: their storages know their size."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        if isinstance(t, torch.Tensor):
+            s = _storage(t)
+            seen[s._cdata] = s.nbytes()
+    return sum(seen.values())
+
+
+class _StepMode(TorchDispatchMode):
+    """Notes fresh output storages (while ``recording``) and counts FLOPs (always)."""
+
+    def __init__(self):
+        super().__init__()
+        self.recording = False
+        self.created: dict[int, weakref.ref] = {}  # storage key -> weakref, created in forward
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        packet = func._overloadpacket
+        if packet in _FLOPS:
+            self.flops += _rank_flops(packet, args, kwargs, out)
+        if self.recording:
+            inputs = {_storage(t)._cdata for t in tree_leaves((args, kwargs))
+                      if isinstance(t, torch.Tensor)}
+            for t in tree_leaves(out):
+                if isinstance(t, torch.Tensor):
+                    s = _storage(t)
+                    key = s._cdata
+                    if key in inputs:
+                        continue  # a view or an in-place result: not a new allocation
+                    ref = self.created.get(key)
+                    if ref is None or ref() is None:  # a freed storage's address reused
+                        self.created[key] = weakref.ref(s)
+        return out
+
+    def live_bytes(self, exclude: set[int]) -> int:
+        total = 0
+        for key, ref in self.created.items():
+            s = ref()
+            if s is not None and key not in exclude:
+                total += s.nbytes()
+        return total
+
+
+_aten = torch.ops.aten
+# the CPU fused attention kernels, which torch's table lacks: the same count as the CUDA ones
+_FLOPS = {
+    **flop_registry,
+    _aten._scaled_dot_product_flash_attention_for_cpu:
+        lambda q, k, v, *_, **__: sdpa_flop_count(q.shape, k.shape, v.shape),
+    _aten._scaled_dot_product_flash_attention_for_cpu_backward:
+        lambda g, q, k, v, *_, **__: sdpa_backward_flop_count(g.shape, q.shape, k.shape, v.shape),
+}
+
+
+def _rank_flops(packet, args, kwargs, out) -> int:
+    flops = _FLOPS[packet](*args, **kwargs, out_val=out)
+    first = next((t for t in tree_leaves(out) if isinstance(t, DTensor)), None)
+    if first is None:
+        return flops
+    mesh = first.device_mesh
+    split = math.prod(mesh.size(i) for i, p in enumerate(first.placements)
+                      if not p.is_replicate())
+    return flops // split
+
+
+class StepMeter:
+    """Context manager around one training step of ``model`` / ``optimizer`` on this rank.
+
+    After the step, ``bytes`` maps each memory category to bytes (``unsharded params`` and
+    ``comm buffers`` are peaks), ``comm`` is the CommDebugMode of the step, ``flops`` this
+    rank's FLOPs (forward, backward and recomputation).
+
+    Example::
+
+        >>> with StepMeter(model, opt) as meter:
+        ...     train_step(model, opt, inputs, targets)
+        >>> meter.bytes["activations"], meter.comm.get_comm_bytes_by_mesh_dim()
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer):
+        self.model = model
+        self.optimizer = optimizer
+        self.bytes: dict[str, int] = {}
+        self.flops = 0
+        self.comm = _SamplingComm(self)
+        self._mode = _StepMode()
+        self._sharded: set[int] = set()
+        self._unsharded: dict[int, weakref.ref] = {}
+        self._peak_unsharded = 0
+        self._handles = []
+        self._saved_hooks = None
+
+    # ---------------------------------------------------------------- sampling
+    def _unsharded_live(self) -> int:
+        return sum(s.nbytes() for s in (r() for r in self._unsharded.values()) if s is not None)
+
+    def sample(self):
+        self._peak_unsharded = max(self._peak_unsharded, self._unsharded_live())
+
+    def _after_forward(self, module, args, output):
+        # global forward hooks run before the module's own: FSDP has not resharded yet
+        for p in module._parameters.values():
+            if isinstance(p, torch.Tensor):
+                s = _storage(p)
+                if s._cdata not in self._sharded and s._cdata not in self._unsharded:
+                    self._unsharded[s._cdata] = weakref.ref(s)
+        self.sample()
+
+    def _pack(self, t):
+        return t
+
+    def _unpack(self, t):
+        if self._mode.recording:  # the first unpack: backward has begun
+            self._end_forward()
+        return t
+
+    def _end_forward(self):
+        self._mode.recording = False
+        exclude = self._sharded | set(self._unsharded)
+        self.bytes[ACTIVATIONS] = self._mode.live_bytes(exclude)
+        self.sample()
+
+    def _pre_step(self, optimizer, args, kwargs):
+        self.sample()
+        self.bytes[GRADS] = storage_bytes(p.grad for p in self._params() if p.grad is not None)
+
+    def _post_step(self, optimizer, args, kwargs):
+        self.bytes[OPTIMIZER_STATE] = storage_bytes(
+            t for state in optimizer.state.values() for t in state.values()
+            if isinstance(t, torch.Tensor))
+
+    def _params(self):
+        return list(self.model.parameters())
+
+    # ---------------------------------------------------------------- context
+    def __enter__(self):
+        params = self._params()
+        self._sharded = {_storage(p)._cdata for p in params}
+        self._sharded |= {_storage(b)._cdata for b in self.model.buffers()}
+        self.bytes = {SHARDED_PARAMS: storage_bytes(params), GRADS: 0, OPTIMIZER_STATE: 0,
+                      ACTIVATIONS: 0, UNSHARDED_PARAMS: 0, COMM_BUFFERS: 0}
+        self._handles = [
+            nn.modules.module.register_module_forward_hook(self._after_forward),
+            self.optimizer.register_step_pre_hook(self._pre_step),
+            self.optimizer.register_step_post_hook(self._post_step)]
+        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
+        self._saved_hooks.__enter__()
+        self.comm.__enter__()
+        self._mode.__enter__()
+        self._mode.recording = True
+        return self
+
+    def __exit__(self, *exc):
+        if self._mode.recording:  # no backward ran
+            self._end_forward()
+        self._mode.__exit__(*exc)
+        self.comm.__exit__(*exc)
+        self._saved_hooks.__exit__(*exc)
+        for h in self._handles:
+            h.remove()
+        self.flops = self._mode.flops
+        self.bytes[UNSHARDED_PARAMS] = self._peak_unsharded
+        self.bytes[COMM_BUFFERS] = comm_buffer_bytes(self.comm)
+        return False
+
+
+class _SamplingComm(CommDebugMode):
+    """CommDebugMode that also samples the meter's unsharded bytes at every collective."""
+
+    def __init__(self, meter: StepMeter):
+        super().__init__()
+        self._meter = meter
+
+    def _add(self, kind, nbytes, group_size, mesh_dim="?", ranks=()):
+        super()._add(kind, nbytes, group_size, mesh_dim, ranks)
+        self._meter.sample()
+
+
+def comm_buffer_bytes(comm: CommDebugMode) -> int:
+    """The largest all-gather output plus the largest reduce-scatter input, from the bytes each
+    sent ((n - 1) chunks of the n-chunk buffer): what FSDP holds at once with one prefetch."""
+    largest = defaultdict(int)
+    for kind, nbytes, n, _, _ in comm.calls:
+        if kind in ("all_gather", "reduce_scatter") and n > 1:
+            largest[kind] = max(largest[kind], nbytes // (n - 1) * n)
+    return largest["all_gather"] + largest["reduce_scatter"]

@@ -1,0 +1,52 @@
+"""rich tables of a :class:`~dtensor_lite.plan.dry_run.DryRunReport`."""
+from __future__ import annotations
+
+__all__ = ["tables", "human_bytes", "human_seconds"]
+
+
+def human_bytes(n: float) -> str:
+    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
+        if abs(n) >= size:
+            return f"{n / size:,.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def human_seconds(s: float) -> str:
+    return f"{s * 1e3:,.2f} ms" if s < 10 else f"{s:,.1f} s"
+
+
+def tables(report) -> list:
+    from rich.table import Table
+    mesh = " x ".join(f"{k}={v}" for k, v in report.mesh.items())
+    memory = Table(title=f"memory of rank {report.rank} ({mesh}, {report.world_size:,} ranks)",
+                   caption="unsharded params and comm buffers: peaks during the step; total: "
+                           "every category at once (an upper bound of the peak)")
+    memory.add_column("category")
+    memory.add_column("bytes", justify="right")
+    memory.add_column("", justify="right")
+    for category, nbytes in report.bytes.items():
+        memory.add_row(category, f"{nbytes:,}", human_bytes(nbytes))
+    memory.add_row("total", f"{report.peak_bytes:,}", human_bytes(report.peak_bytes),
+                   style="bold")
+
+    comm = Table(title="communication per step (bytes sent by this rank)")
+    for col in ("mesh dim", "group", "link", "collective", "count", "bytes", "est. time"):
+        comm.add_column(col, justify="right" if col in ("group", "count", "bytes",
+                                                        "est. time") else "left")
+    for row in report.comm:
+        comm.add_row(row["mesh_dim"], str(row["group_size"]), row["link"], row["kind"],
+                     str(row["count"]), human_bytes(row["bytes"]),
+                     human_seconds(row["seconds"]))
+
+    cm = report.compute_model
+    time = Table(title="time per step (estimates: link and compute models)")
+    time.add_column("what")
+    time.add_column("time", justify="right")
+    time.add_row(f"compute: {report.flops:.3e} FLOPs at {cm['peak_flops']:.3g} FLOP/s x "
+                 f"{cm['efficiency']:.0%}", human_seconds(report.compute_s))
+    for dim, s in report.comm_s_by_dim.items():
+        time.add_row(f"communication over {dim}", human_seconds(s))
+    time.add_row("communication hidden behind compute", human_seconds(report.hidden_s))
+    time.add_row("communication exposed", human_seconds(report.exposed_s))
+    time.add_row("step", human_seconds(report.step_s), style="bold")
+    return [memory, comm, time]
