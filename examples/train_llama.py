@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import json
 import math
 import os
 import resource
@@ -80,6 +81,7 @@ class TrainConfig:
     quiet: bool = False
     ac: str = "none"            # activation checkpointing per block: none | full | selective
     compile: str | None = None  # torch.compile each block with this backend (e.g. "inductor")
+    losses: str | None = None   # write every step's mean loss here as JSON (rank 0)
     model: LlamaConfig = dataclasses.field(default_factory=lambda: LlamaConfig(
         vocab_size=256, dim=64, n_layers=2, n_heads=8, ffn_dim=160, max_seq_len=64))
 
@@ -239,6 +241,8 @@ def train(cfg: TrainConfig) -> list[float]:
         losses.append(float(mean))
         if show:
             show.step(step, losses[-1], cfg.batch * cfg.seq / (time.perf_counter() - t0))
+    if cfg.losses and dist.get_rank() == 0:
+        Path(cfg.losses).write_text(json.dumps(losses))
     if cfg.save:
         save_checkpoint(cfg.save, model, opt, cfg.steps)
     per_rank = None
@@ -440,6 +444,8 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--save", metavar="DIR", help="write a checkpoint (DCP) at the end")
     ap.add_argument("--resume", metavar="DIR", help="continue from a checkpoint (any mesh)")
     ap.add_argument("--quiet", action="store_true", help="no tables or progress bar")
+    ap.add_argument("--losses", metavar="FILE",
+                    help="write every step's mean loss to FILE as a JSON list (rank 0)")
     ap.add_argument("--ac", choices=AC_MODES, default=d.ac,
                     help="activation checkpointing per block: recompute the whole block "
                          "(full) or all but its matmuls (selective) in backward")

@@ -14,13 +14,14 @@ so rank 0's bytes are the maximum over ranks; pass another ``rank`` to see its o
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import math
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
-from torch.overrides import TorchFunctionMode
 
 from ..device_mesh import init_device_mesh
 from ..dtensor import DTensor
@@ -78,29 +79,37 @@ class DryRunReport:
         return tables(self)
 
 
-class _FusedAttentionOnMeta(TorchFunctionMode):
+@contextlib.contextmanager
+def _fused_attention_on_meta():
     """``F.scaled_dot_product_attention`` on plain meta tensors picks torch's math fallback,
     which keeps the whole attention matrix for backward; real CPU and CUDA runs pick a fused
     kernel that keeps q, k, v, the output and a logsumexp. Route meta calls to the fused CPU
-    kernel (same saved tensors as CUDA's flash attention) so the dry run counts what a run keeps.
+    kernel (the same saved tensors as CUDA's flash attention) so the dry run counts what a run
+    keeps. The function itself is replaced for the dry run's duration, not a TorchFunctionMode:
+    activation checkpointing recomputes on autograd's thread, where no such mode is active.
     """
+    original = F.scaled_dot_product_attention
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is F.scaled_dot_product_attention and _fusable(*args, **kwargs):
+    @functools.wraps(original)
+    def sdpa(*args, **kwargs):
+        if _fusable(*args, **kwargs):
             q, k, v = args[:3]
             return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                 q, k, v, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False),
                 attn_mask=kwargs.get("attn_mask"), scale=kwargs.get("scale"))[0]
-        return func(*args, **kwargs)
+        return original(*args, **kwargs)
+    F.scaled_dot_product_attention = sdpa
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = original
 
 
 def _fusable(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
              enable_gqa=False):
-    tensors = (q, k, v)
     return (not enable_gqa and attn_mask is None and all(
-        t.device.type == "meta" and not isinstance(t, DTensor) and t.dim() == 4
-        for t in tensors))
+        isinstance(t, torch.Tensor) and t.device.type == "meta" and not isinstance(t, DTensor)
+        and t.dim() == 4 for t in (q, k, v)))
 
 
 def measure_step(model, optimizer, step) -> StepMeter:
@@ -135,7 +144,7 @@ def dry_run(setup, mesh: dict[str, int], *, rank: int = 0, link_model: LinkModel
     with fake_world(world, rank):
         device_mesh = init_device_mesh("meta", tuple(mesh.values()),
                                        mesh_dim_names=tuple(mesh))
-        with torch.device("meta"), _FusedAttentionOnMeta():
+        with torch.device("meta"), _fused_attention_on_meta():
             model, optimizer, step = setup(device_mesh)
             meter = measure_step(model, optimizer, step)
     return _report(meter, mesh, rank, link_model, compute_model, overlapped_dims)
