@@ -18,8 +18,8 @@ import torch
 import torch.distributed as dist
 
 from dtensor_lite import init_device_mesh
-from dtensor_lite.memory_categories import (ACTIVATIONS, CATEGORIES, GRADS, OPTIMIZER_STATE,
-                                            SHARDED_PARAMS)
+from dtensor_lite.memory_categories import (ACTIVATIONS, CATEGORIES, GRADIENTS,
+                                            OPTIMIZER_STATE, SHARDED_PARAMS)
 from dtensor_lite.plan import LinkModel, dry_run, fake_world, measure_step
 from examples.llama import LLAMA3_CONFIGS
 from examples.train_llama import (TrainConfig, build, corpus_tokens, dp_rows, dry_run_setup,
@@ -121,7 +121,7 @@ def test_llama3_8b_fsdp_bytes_match_published_size():
     cfg = TrainConfig(mesh="dp_shard=8", batch=8, seq=128,
                       model=dataclasses.replace(LLAMA3_CONFIGS["llama3-8b"], max_seq_len=128))
     report = dry_run(dry_run_setup(cfg), {"dp_shard": 8})
-    held = sum(report.bytes[c] for c in (SHARDED_PARAMS, GRADS, OPTIMIZER_STATE))
+    held = sum(report.bytes[c] for c in (SHARDED_PARAMS, GRADIENTS, OPTIMIZER_STATE))
     assert held == pytest.approx(16 * 8.03e9 / 8, rel=0.01)
 
 

@@ -135,7 +135,7 @@ def dry_run(setup, mesh: dict[str, int], *, rank: int = 0, link_model: LinkModel
         ...     x = torch.empty(8, 1024, device="meta")
         ...     return model, opt, lambda: (model(x).sum().backward(), opt.step())
         >>> report = dry_run(setup, {"dp": 1024})
-        >>> report.bytes["optimizer state"]
+        >>> report.bytes["optimizer_state"]
     """
     _check_mesh(mesh)
     link_model = link_model or LinkModel()

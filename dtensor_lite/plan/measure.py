@@ -4,19 +4,23 @@ multi-process run, so the two can be compared figure for figure.
 
 What is measured, and how (every figure is this rank's):
 
-* ``sharded params``: storages of the parameters' local pieces when the step starts.
-* ``grads``: storages of the ``.grad`` local pieces when the optimizer step begins (after
-  backward and its gradient reduction).
-* ``optimizer state``: storages of every tensor in ``optimizer.state`` after the step.
+Categories are those of :mod:`dtensor_lite.memory_categories` (shared with the measured
+``MemoryTracker``):
+
+* ``sharded_params``: storages of the parameters' local pieces when the step starts.
+* ``gradients``: storages of the ``.grad`` local pieces when the optimizer step begins (after
+  backward and its gradient reduction; FSDP's unsharded gradient buffers of backward count as
+  ``comm_buffers`` here, being reduce-scatter inputs).
+* ``optimizer_state``: storages of every tensor in ``optimizer.state`` after the step.
 * ``activations``: storages created during forward (and the loss) that are still alive when
   backward begins, other than parameters: what autograd, activation checkpointing (the inputs it
   keeps, the outputs selective checkpointing saves) and the loss hold for backward. Seen by a
   dispatch mode that notes every fresh output storage; backward begins at the first unpack of a
   saved tensor.
-* ``unsharded params``: storages that modules expose as parameters during forward but that are
+* ``unsharded_params``: storages that modules expose as parameters during forward but that are
   not the sharded parameters (FSDP's gathered ones); the peak of their live bytes is sampled at
   every module's forward exit and every collective, in forward and backward.
-* ``comm buffers``: FSDP's flat buffers, from the recorded collectives: the largest all-gather
+* ``comm_buffers``: FSDP's flat buffers, from the recorded collectives: the largest all-gather
   output plus the largest reduce-scatter input (the most alive at once with prefetch depth 1).
 * communication: CommDebugMode's records (every collective passes through
   ``dtensor_lite.collectives``), by kind and mesh dim, with each dim's group ranks.
@@ -38,7 +42,7 @@ from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sd
 
 from ..debug import CommDebugMode
 from ..dtensor import DTensor
-from ..memory_categories import (ACTIVATIONS, COMM_BUFFERS, GRADS, OPTIMIZER_STATE,
+from ..memory_categories import (ACTIVATIONS, COMM_BUFFERS, GRADIENTS, OPTIMIZER_STATE,
                                  SHARDED_PARAMS, UNSHARDED_PARAMS)
 
 __all__ = ["StepMeter", "storage_bytes"]
@@ -126,8 +130,8 @@ def _rank_flops(packet, args, kwargs, out) -> int:
 class StepMeter:
     """Context manager around one training step of ``model`` / ``optimizer`` on this rank.
 
-    After the step, ``bytes`` maps each memory category to bytes (``unsharded params`` and
-    ``comm buffers`` are peaks), ``comm`` is the CommDebugMode of the step, ``flops`` this
+    After the step, ``bytes`` maps each memory category to bytes (``unsharded_params`` and
+    ``comm_buffers`` are peaks), ``comm`` is the CommDebugMode of the step, ``flops`` this
     rank's FLOPs (forward, backward and recomputation).
 
     Example::
@@ -182,7 +186,8 @@ class StepMeter:
 
     def _pre_step(self, optimizer, args, kwargs):
         self.sample()
-        self.bytes[GRADS] = storage_bytes(p.grad for p in self._params() if p.grad is not None)
+        self.bytes[GRADIENTS] = storage_bytes(p.grad for p in self._params()
+                                              if p.grad is not None)
 
     def _post_step(self, optimizer, args, kwargs):
         self.bytes[OPTIMIZER_STATE] = storage_bytes(
@@ -197,7 +202,7 @@ class StepMeter:
         params = self._params()
         self._sharded = {_storage(p)._cdata for p in params}
         self._sharded |= {_storage(b)._cdata for b in self.model.buffers()}
-        self.bytes = {SHARDED_PARAMS: storage_bytes(params), GRADS: 0, OPTIMIZER_STATE: 0,
+        self.bytes = {SHARDED_PARAMS: storage_bytes(params), GRADIENTS: 0, OPTIMIZER_STATE: 0,
                       ACTIVATIONS: 0, UNSHARDED_PARAMS: 0, COMM_BUFFERS: 0}
         self._handles = [
             nn.modules.module.register_module_forward_hook(self._after_forward),

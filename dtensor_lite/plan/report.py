@@ -19,7 +19,7 @@ def tables(report) -> list:
     from rich.table import Table
     mesh = " x ".join(f"{k}={v}" for k, v in report.mesh.items())
     memory = Table(title=f"memory of rank {report.rank} ({mesh}, {report.world_size:,} ranks)",
-                   caption="unsharded params and comm buffers: peaks during the step; total: "
+                   caption="unsharded_params and comm_buffers: peaks during the step; total: "
                            "every category at once (an upper bound of the peak)")
     memory.add_column("category")
     memory.add_column("bytes", justify="right")
