@@ -59,7 +59,7 @@ from dtensor_lite.state_dict import get_state_dict, set_state_dict  # noqa: E402
 from examples.llama import Llama, LlamaConfig, loss_fn  # noqa: E402
 from examples.llama_parallel import (AC_MODES, apply_activation_checkpointing,  # noqa: E402
                                      parallelize_llama)
-from fsdp import fully_shard  # noqa: E402
+from fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 from tp import loss_parallel  # noqa: E402
 
 MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
@@ -82,6 +82,7 @@ class TrainConfig:
     ac: str = "none"            # activation checkpointing per block: none | full | selective
     compile: str | None = None  # torch.compile each block with this backend (e.g. "inductor")
     losses: str | None = None   # write every step's mean loss here as JSON (rank 0)
+    param_dtype: str = "fp32"   # FSDP mixed precision: "bf16" gathers and computes in bf16
     model: LlamaConfig = dataclasses.field(default_factory=lambda: LlamaConfig(
         vocab_size=256, dim=64, n_layers=2, n_heads=8, ffn_dim=160, max_seq_len=64))
 
@@ -156,15 +157,19 @@ def build(cfg: TrainConfig, mesh, sizes: dict[str, int]):
                           loss_parallel=cfg.loss_parallel)
     apply_activation_checkpointing(model, cfg.ac)
     dp_mesh = mesh[dp_names(sizes)] if dp_names(sizes) else None
+    # bf16: torchtitan's policy (parameters gathered and used in bf16, gradients reduced in fp32,
+    # fp32 sharded parameters and optimizer state)
+    mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
+        if cfg.param_dtype == "bf16" else MixedPrecisionPolicy()
     for block in model.layers:
         if dp_mesh is not None:
-            fully_shard(block, mesh=dp_mesh)
+            fully_shard(block, mesh=dp_mesh, mp_policy=mp)
         if cfg.compile:
             # in place (Module.compile): parameter names and checkpoints stay as they are; the
             # FSDP hooks run eagerly around the compiled forward (see fsdp/hooks.py)
             block.compile(backend=cfg.compile)
     if dp_mesh is not None:
-        fully_shard(model, mesh=dp_mesh)
+        fully_shard(model, mesh=dp_mesh, mp_policy=mp)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     return model, opt
 
@@ -452,6 +457,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--compile", nargs="?", const="inductor", default=d.compile,
                     metavar="BACKEND", help="torch.compile each block (default backend "
                                             "inductor; aot_eager compiles much faster)")
+    ap.add_argument("--param-dtype", choices=("fp32", "bf16"), default=d.param_dtype,
+                    help="bf16: FSDP gathers parameters and computes in bf16, reduces gradients "
+                         "in fp32 (needs a data-parallel dim; default %(default)s)")
     ap.add_argument("--dry-run", action="store_true",
                     help="train nothing: print what one step on --mesh (any size, e.g. "
                          "dp_replicate=8,dp_shard=16,tp=8) holds, sends and costs per rank, "

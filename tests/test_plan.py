@@ -51,14 +51,15 @@ def _counts(comm):
     return out
 
 
-@pytest.mark.parametrize("world,mesh,ac", [
-    (4, "dp_shard=2,tp=2", "none"),
-    (8, "dp_replicate=2,dp_shard=2,tp=2", "none"),
-    (4, "dp_shard=2,tp=2", "full"),
-    (8, "dp_replicate=2,dp_shard=2,tp=2", "selective"),
+@pytest.mark.parametrize("world,mesh,ac,param_dtype", [
+    (4, "dp_shard=2,tp=2", "none", "fp32"),
+    (8, "dp_replicate=2,dp_shard=2,tp=2", "none", "fp32"),
+    (4, "dp_shard=2,tp=2", "full", "fp32"),
+    (8, "dp_replicate=2,dp_shard=2,tp=2", "selective", "fp32"),
+    (4, "dp_shard=2,tp=2", "none", "bf16"),
 ])
-def test_dry_run_agrees_with_a_real_run(world, mesh, ac):
-    cfg = _cfg(mesh, ac)
+def test_dry_run_agrees_with_a_real_run(world, mesh, ac, param_dtype):
+    cfg = _cfg(mesh, ac, param_dtype=param_dtype)
     real = run_distributed(world, _real_step, cfg, timeout=300)
     report = dry_run(dry_run_setup(cfg), parse_mesh(mesh, None))
     real_bytes, real_comm, real_counts, real_flops = real[0]

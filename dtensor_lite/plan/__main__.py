@@ -79,6 +79,9 @@ def parse_args(argv=None):
     ap.add_argument("--seq", type=int, required=True, help="sequence length in tokens")
     ap.add_argument("--ac", choices=("none", "full", "selective"), default="none",
                     help="activation checkpointing per block")
+    ap.add_argument("--param-dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="bf16: FSDP mixed precision (bf16 gather and compute, fp32 reduce, fp32 "
+                         "sharded parameters and AdamW state), as torchtitan trains")
     ap.add_argument("--no-sp", dest="sequence_parallel", action="store_false")
     ap.add_argument("--no-loss-parallel", dest="loss_parallel", action="store_false")
     add_cost_args(ap)
@@ -94,12 +97,14 @@ def main(argv=None):
     sizes = train_llama.parse_mesh(args.mesh, None)
     cfg = train_llama.TrainConfig(mesh=args.mesh, batch=args.batch, seq=args.seq, ac=args.ac,
                                   sequence_parallel=args.sequence_parallel,
-                                  loss_parallel=args.loss_parallel, model=model)
+                                  loss_parallel=args.loss_parallel,
+                                  param_dtype=args.param_dtype, model=model)
     link, compute = cost_models(args)
     report = dry_run(train_llama.dry_run_setup(cfg), sizes, rank=args.rank, link_model=link,
                      compute_model=compute)
     print_report(report, args.json, title=f"dry run: {args.model}, batch {args.batch} x seq "
-                                          f"{args.seq}, activation checkpointing {args.ac}")
+                                          f"{args.seq}, activation checkpointing {args.ac}, "
+                                          f"parameters {args.param_dtype}")
 
 
 if __name__ == "__main__":
