@@ -8,11 +8,12 @@ collective's issue to its completion, summed), medians over the timed steps (ran
 
 * ours: ``dtensor_lite.debug.ExposedCommMode`` (every collective goes through
   ``dtensor_lite.collectives``, which times waits and notes completions);
-* torch: the same two clocks put around torch.distributed for torch's steps only: the
-  collective calls are issued asynchronously (a synchronous call waits at once), ``Work.wait``
-  is timed, completion comes from the work's future as for ours (``debug.on_completion``; a
-  work without one -- gloo's reduce-scatter, which only runs inside ``wait()`` -- completes when
-  its wait returns).
+* torch: the same clock (``debug.CommFlight``) put around torch.distributed for torch's steps
+  only: its collective calls are issued asynchronously (a synchronous call waits at once) and
+  ``Work.wait`` is timed.
+
+Exposed = the issue calls plus the waits; in flight = issue to completion (the backend's
+completion callback if it fired before the wait began, else the end of the wait).
 
 Prefetch modes: ``off`` (both: ``set_modules_to_forward_prefetch([])`` and
 ``set_modules_to_backward_prefetch([])`` on every block), ``default`` (ours: implicit forward and
@@ -33,7 +34,6 @@ import inspect
 import os
 import statistics
 import sys
-import threading
 import time
 import warnings
 
@@ -44,7 +44,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.fsdp_step import spawn_world, write_json  # noqa: E402
 from benchmarks.tp_step import _Stack, apply_llama_tp  # noqa: E402
-from dtensor_lite.debug import ExposedCommMode, on_completion  # noqa: E402
+from dtensor_lite.debug import CommFlight, ExposedCommMode  # noqa: E402
 from examples.llama import Llama, LlamaConfig, loss_fn  # noqa: E402
 
 CFG = LlamaConfig(vocab_size=1024, dim=256, n_layers=4, n_heads=8, ffn_dim=704, max_seq_len=128)
@@ -56,7 +56,8 @@ IMPLS = ("ours", "torch")
 
 # ----------------------------------------------------------------------------- torch's clocks
 class _TorchCommTimer:
-    """Exposed / total communication seconds of the torch.distributed calls made inside."""
+    """Exposed / in-flight communication seconds of the torch.distributed collectives called
+    inside, on the same clock as ours (``dtensor_lite.debug.CommFlight``)."""
 
     NAMES = ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
              "reduce_scatter_single", "all_reduce", "all_to_all_single")
@@ -64,29 +65,33 @@ class _TorchCommTimer:
     def __init__(self):
         self.exposed_s = 0.0
         self.total_s = 0.0
-        self._lock = threading.Lock()
         self._saved = {}
-        self._at_wait = {}  # id(work) -> completion callback, for works without a future
+        self._flights = {}  # id(work) -> CommFlight, until its wait
+
+    def _add_wait(self, _kind, seconds):
+        self.exposed_s += seconds
+
+    def _add_flight(self, _kind, seconds):
+        self.total_s += seconds
 
     def __enter__(self):
         for name in self.NAMES:
             fn = getattr(dist, name, None)
             if fn is not None:
                 self._saved[name] = fn
-                setattr(dist, name, self._wrap(fn))
+                setattr(dist, name, self._wrap(fn, name))
         work_cls = dist.distributed_c10d.Work
-        self._saved_wait = work_cls.wait
-        timer, wait = self, work_cls.wait
+        self._saved_wait = wait = work_cls.wait
+        flights = self._flights
 
         def timed_wait(work, *args, **kwargs):
+            flight = flights.pop(id(work), None)
             start = time.perf_counter()
             try:
                 return wait(work, *args, **kwargs)
             finally:
-                timer.exposed_s += time.perf_counter() - start
-                done = timer._at_wait.pop(id(work), None)
-                if done is not None:  # a work without a future completes at its wait
-                    done()
+                if flight is not None:
+                    flight.waited(start, time.perf_counter())
         work_cls.wait = timed_wait
         return self
 
@@ -95,25 +100,18 @@ class _TorchCommTimer:
             setattr(dist, name, fn)
         dist.distributed_c10d.Work.wait = self._saved_wait
 
-    def _done(self, issued):
-        def callback():
-            with self._lock:
-                self.total_s += time.perf_counter() - issued
-        return callback
-
-    def _wrap(self, fn):
+    def _wrap(self, fn, name):
         signature = inspect.signature(fn)
 
         def wrapped(*args, **kwargs):
             bound = signature.bind(*args, **kwargs)
             async_op = bound.arguments.get("async_op", False)
             bound.arguments["async_op"] = True
-            issued = time.perf_counter()
+            started = time.perf_counter()
             work = fn(*bound.args, **bound.kwargs)
             if work is None:
                 return None
-            if not on_completion(work, self._done(issued)):
-                self._at_wait[id(work)] = self._done(issued)
+            self._flights[id(work)] = CommFlight(name, started, work, [self])
             if async_op:
                 return work
             work.wait()  # the caller wanted it synchronous: all of it is exposed

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from ._compile import is_traced
-from .debug import _ACTIVE, _TIMERS, _record, _record_wait, _track_completion
+from .debug import _ACTIVE, _TIMERS, CommFlight, _record
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "scatter",
            "broadcast_object", "all_reduce_cost", "flat_all_gather", "flat_reduce_scatter", "Pending"]
@@ -78,12 +78,13 @@ class Pending:
     buffer the caller owns). ``then(fn)`` queues more local work to run on that result at wait.
     Waiting twice returns the same result."""
 
-    __slots__ = ("_work", "_finish", "_kind", "_done", "_result", "_completed_at_wait")
+    __slots__ = ("_work", "_finish", "_kind", "_done", "_result", "_flight")
 
-    def __init__(self, work, finish, kind: str):
+    def __init__(self, issued, finish, kind: str):
+        work, started = issued if issued is not None else (None, 0.0)
         self._work, self._finish, self._kind = work, finish, kind
         self._done, self._result = False, None
-        self._completed_at_wait = _track_completion(work, kind) if _TIMERS and work else None
+        self._flight = CommFlight(kind, started, work, _TIMERS) if _TIMERS and work else None
 
     def then(self, fn) -> "Pending":
         finish = self._finish
@@ -98,19 +99,23 @@ class Pending:
             if self._work is not None:
                 start = time.perf_counter()
                 self._work.wait()
-                if _TIMERS:
-                    _record_wait(self._kind, time.perf_counter() - start)
-                if self._completed_at_wait is not None:  # its backend has no future for it
-                    self._completed_at_wait()
+                if self._flight is not None:
+                    self._flight.waited(start, time.perf_counter())
             self._result = self._finish()
             self._done = True
-            self._work = self._finish = self._completed_at_wait = None
+            self._work = self._finish = self._flight = None
         return self._result
 
 
-def _launch(kind: str, work, finish, async_op: bool):
-    """The async issue of ``kind`` became ``work``; hand back a Pending or wait for it now."""
-    pending = Pending(work, finish, kind)
+def _issue(collective, *args, **kwargs):
+    """Issue ``collective`` asynchronously: (its work, when the issue call began)."""
+    started = time.perf_counter()
+    return collective(*args, async_op=True, **kwargs), started
+
+
+def _launch(kind: str, issued, finish, async_op: bool):
+    """``issued`` (from ``_issue``, or None: nothing to wait for) as a Pending, or its result now."""
+    pending = Pending(issued, finish, kind)
     return pending if async_op else pending.wait()
 
 
@@ -182,7 +187,7 @@ def all_gather(tensor: torch.Tensor, mesh, mesh_dim: int, gather_dim: int = 0,
         out, work = _traced("all_gather", x, dg), None
     else:
         out = x.new_empty((n * x.shape[0],) + tuple(x.shape[1:]))
-        work = _all_gather_single(out, x, group=dg.group, async_op=True)
+        work = _issue(_all_gather_single, out, x, group=dg.group)
     _report("all_gather", (n - 1) * x.numel() * x.element_size(), n, mesh, mesh_dim)
 
     def finish():
@@ -205,8 +210,7 @@ def reduce_scatter(tensor: torch.Tensor, mesh, mesh_dim: int, reduce_op: str = "
         out, work = _traced("reduce_scatter", x, dg, _TRACED_OP[reduce_op]), None
     else:
         out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
-        work = _reduce_scatter_single(out, x, op=_REDUCE[reduce_op], group=dg.group,
-                                      async_op=True)
+        work = _issue(_reduce_scatter_single, out, x, op=_REDUCE[reduce_op], group=dg.group)
     _report("reduce_scatter", (n - 1) * out.numel() * out.element_size(), n, mesh, mesh_dim)
 
     def finish():
@@ -227,7 +231,7 @@ def all_reduce(tensor: torch.Tensor, mesh, mesh_dim: int, reduce_op: str = "sum"
         x, work = _traced("all_reduce", _wire(tensor), dg, _TRACED_OP[reduce_op]), None
     else:
         x = _wire(tensor).clone()
-        work = dist.all_reduce(x, op=_REDUCE[reduce_op], group=dg.group, async_op=True)
+        work = _issue(dist.all_reduce, x, op=_REDUCE[reduce_op], group=dg.group)
     _report("all_reduce", all_reduce_cost(x.numel(), x.element_size(), n), n, mesh, mesh_dim)
     return _launch("all_reduce", work, lambda: _finish_avg(_unwire(x, tensor), reduce_op, n),
                    async_op)
@@ -253,7 +257,7 @@ def all_to_all(tensor: torch.Tensor, mesh, mesh_dim: int, split_dim: int, cat_di
         out, work = _traced("all_to_all", x, dg), None
     else:
         out = torch.empty_like(x)
-        work = dist.all_to_all_single(out, x, group=dg.group, async_op=True)
+        work = _issue(dist.all_to_all_single, out, x, group=dg.group)
     _report("all_to_all", (n - 1) * (x.numel() // n) * x.element_size(), n, mesh, mesh_dim)
 
     def finish():
@@ -271,8 +275,7 @@ def broadcast(tensor: torch.Tensor, mesh, mesh_dim: int, src_coord: int = 0) -> 
         return tensor
     x = _wire(tensor)
     src = dg.ranks[src_coord]
-    _launch("broadcast", dist.broadcast(x, src=src, group=dg.group, async_op=True), lambda: None,
-            False)
+    _launch("broadcast", _issue(dist.broadcast, x, src=src, group=dg.group), lambda: None, False)
     _report("broadcast", x.numel() * x.element_size(), n, mesh, mesh_dim)
     out = _unwire(x, tensor)
     if out is not tensor:
@@ -307,7 +310,7 @@ def scatter(chunks: list[torch.Tensor] | None, out: torch.Tensor, mesh, mesh_dim
     if dg.coordinate == src_coord:
         wired = [_wire(c) for c in chunks]
         scatter_list = [wired[dg.ranks.index(r)] for r in sorted(dg.ranks)]
-    _launch("scatter", dist.scatter(x, scatter_list, src=src, group=dg.group, async_op=True),
+    _launch("scatter", _issue(dist.scatter, x, scatter_list, src=src, group=dg.group),
             lambda: None, False)
     _report("scatter", (n - 1) * x.numel() * x.element_size(), n, mesh, mesh_dim)
     res = _unwire(x, out)
@@ -320,9 +323,9 @@ def flat_all_gather(out: torch.Tensor, inp: torch.Tensor, mesh, mesh_dim: int, a
     """FSDP's batched all-gather: 1-D ``inp`` into 1-D ``out`` of n*len(inp), in mesh order
     (requires a sorted mesh row; FSDP meshes always are). ``async_op``: a ``Pending``."""
     dg = mesh._dim_group(mesh_dim)
+    work = _issue(_all_gather_single, out, inp, group=dg.group)
     _report("all_gather", (dg.size - 1) * inp.numel() * inp.element_size(), dg.size, mesh,
             mesh_dim)
-    work = _all_gather_single(out, inp, group=dg.group, async_op=True)
     return _launch("all_gather", work, lambda: None, async_op)
 
 
@@ -330,7 +333,7 @@ def flat_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, mesh, mesh_dim: in
                         reduce_op: str = "sum", async_op=False):
     """FSDP's batched reduce-scatter of a flat gradient buffer (sum; callers pre/post-divide)."""
     dg = mesh._dim_group(mesh_dim)
+    work = _issue(_reduce_scatter_single, out, inp, op=_REDUCE[reduce_op], group=dg.group)
     _report("reduce_scatter", (dg.size - 1) * out.numel() * out.element_size(), dg.size, mesh,
             mesh_dim)
-    work = _reduce_scatter_single(out, inp, op=_REDUCE[reduce_op], group=dg.group, async_op=True)
     return _launch("reduce_scatter", work, lambda: None, async_op)

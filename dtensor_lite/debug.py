@@ -251,30 +251,40 @@ def observe_implicit_redistribute(op, moves, why: str) -> None:
 
 
 # --------------------------------------------------------------------------- exposed communication
-def _record_wait(kind: str, seconds: float):
-    """The collectives layer: this thread was blocked ``seconds`` waiting for a ``kind``."""
-    for timer in _TIMERS:
-        timer._add_wait(kind, seconds)
+class CommFlight:
+    """The timeline of one issued collective, for exposed-communication accounting.
 
+    Exposed (the caller was blocked): the issue call itself plus every ``wait``. In flight: from
+    the issue call to completion -- the backend's completion callback when it fired before the
+    caller began to wait (the collective finished behind compute), else the end of the wait
+    (gloo's reduce-scatter has no callback and only runs inside ``wait()``; and a wait returns a
+    little after the callback, once the waiting thread has the GIL back). So exposed <= in
+    flight for every collective. ``sinks``: objects with ``_add_wait`` / ``_add_flight``.
+    """
 
-def _track_completion(work, kind: str):
-    """The collectives layer issued ``work``: note when it completes, so the time it was in
-    flight is known whether or not anyone waited on it yet. Returns None when the backend tells
-    completion through the work's future, else the callback to run once ``wait()`` returned."""
-    issued = time.perf_counter()
-    timers = list(_TIMERS)
+    __slots__ = ("kind", "started", "sinks", "done_at")
 
-    def done():
-        end = time.perf_counter()
-        for timer in timers:
-            timer._add_flight(kind, end - issued)
-    return None if on_completion(work, done) else done
+    def __init__(self, kind: str, started: float, work, sinks):
+        self.kind, self.started, self.sinks, self.done_at = kind, started, list(sinks), None
+        issued = time.perf_counter()
+        for sink in self.sinks:
+            sink._add_wait(kind, issued - started)
+        on_completion(work, self._completed)
+
+    def _completed(self):
+        self.done_at = time.perf_counter()
+
+    def waited(self, wait_start: float, wait_end: float):
+        done = self.done_at
+        end = done if done is not None and done <= wait_start else wait_end
+        for sink in self.sinks:
+            sink._add_wait(self.kind, wait_end - wait_start)
+            sink._add_flight(self.kind, end - self.started)
 
 
 def on_completion(work, callback) -> bool:
     """Arrange ``callback()`` to run (on the backend's thread) when the c10d ``work`` completes;
-    False where its backend has no future for it (gloo's reduce-scatter, which does not
-    progress before ``wait()`` either): the caller then calls it after ``wait()``."""
+    False where its backend gives no future for it (gloo's reduce-scatter)."""
     try:
         work.get_future().then(lambda _future: callback())
     except RuntimeError:
@@ -290,8 +300,8 @@ class ExposedCommMode:
     * ``exposed_s``: seconds this rank's thread was blocked in ``wait()`` on a collective -- a
       synchronous collective waits right after issuing it, so all of it is exposed; a prefetched
       or ``async_op=True`` one that finished behind compute costs (almost) nothing here.
-    * ``total_s``: seconds from issue to completion, summed over collectives (completion as the
-      backend reports it, on its own thread). ``exposed_s / total_s`` is the share not hidden.
+    * ``total_s``: seconds from issue to completion, summed over the collectives waited for
+      (see ``CommFlight``). ``exposed_s / total_s`` is the share not hidden (at most 1).
     * ``by_kind()``: ``{kind: {"count", "exposed_s", "total_s"}}``.
 
     Times are host wall-clock: on CUDA, ``wait()`` only orders streams and returns at once, so
