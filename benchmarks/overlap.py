@@ -13,7 +13,8 @@ collective's issue to its completion, summed), medians over the timed steps (ran
   ``Work.wait`` is timed.
 
 Exposed = the issue calls plus the waits; in flight = issue to completion (the backend's
-completion callback if it fired before the wait began, else the end of the wait).
+completion callback if it fired before the wait began, else the end of the wait; gloo's
+reduce-scatter has no callback, so its flight is an upper bound).
 
 Prefetch modes: ``off`` (both: ``set_modules_to_forward_prefetch([])`` and
 ``set_modules_to_backward_prefetch([])`` on every block), ``default`` (ours: implicit forward and

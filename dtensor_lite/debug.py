@@ -257,9 +257,9 @@ class CommFlight:
     Exposed (the caller was blocked): the issue call itself plus every ``wait``. In flight: from
     the issue call to completion -- the backend's completion callback when it fired before the
     caller began to wait (the collective finished behind compute), else the end of the wait
-    (gloo's reduce-scatter has no callback and only runs inside ``wait()``; and a wait returns a
-    little after the callback, once the waiting thread has the GIL back). So exposed <= in
-    flight for every collective. ``sinks``: objects with ``_add_wait`` / ``_add_flight``.
+    (gloo's reduce-scatter reports no completion: its flight is an upper bound; and a wait
+    returns a little after the callback, once the waiting thread has the GIL back). So exposed
+    <= in flight for every collective. ``sinks``: objects with ``_add_wait`` / ``_add_flight``.
     """
 
     __slots__ = ("kind", "started", "sinks", "done_at")
