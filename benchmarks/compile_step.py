@@ -43,7 +43,7 @@ def build(impl: str, backend: str | None, cfg: TrainConfig):
     for block in model.layers:
         stack.fully_shard(block, mesh=mesh["dp_shard"])
         if backend:
-            block.compile(backend=backend)
+            block.compile(backend=backend, dynamic=False)
     stack.fully_shard(model, mesh=mesh["dp_shard"])
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
     warnings.filterwarnings("ignore", message="FSDP2-wrapped module")
@@ -51,6 +51,8 @@ def build(impl: str, backend: str | None, cfg: TrainConfig):
 
 
 def bench(backend: str, steps: int, warmup: int) -> list[dict]:
+    # the two implementations' blocks share Block.forward's code: room for both sets of graphs
+    torch._dynamo.config.cache_size_limit = 64
     cfg = TrainConfig()
     variants = {(impl, mode): build(impl, backend if mode == "compiled" else None, cfg)
                 for impl in ("ours", "torch") for mode in ("eager", "compiled")}

@@ -167,7 +167,8 @@ def build(cfg: TrainConfig, mesh, sizes: dict[str, int]):
         if cfg.compile:
             # in place (Module.compile): parameter names and checkpoints stay as they are; the
             # FSDP hooks run eagerly around the compiled forward (see fsdp/hooks.py)
-            block.compile(backend=cfg.compile)
+            # static shapes: DTensor's sharding decisions are made per (op, shapes) at trace time
+            block.compile(backend=cfg.compile, dynamic=False)
     if dp_mesh is not None:
         fully_shard(model, mesh=dp_mesh, mp_policy=mp)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
