@@ -52,7 +52,9 @@ def build(layout: str, reshard_after_forward: bool):
     torch.manual_seed(0)
     net = Net()
     world = torch.distributed.get_world_size()
-    if layout == "2d":
+    if layout == "hsdp":
+        dp_mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
+    elif layout == "2d":
         mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
         for b in net.blocks:
             tp.parallelize_module(b, mesh["tp"], {"up": tp.ColwiseParallel(),
@@ -69,7 +71,9 @@ def build(layout: str, reshard_after_forward: bool):
 class Follower:
     """Checks, after every FSDP hook, which groups hold unsharded buffers."""
 
-    def __init__(self, net):
+    def __init__(self, net, accumulating: bool = False, accumulated: bool = False):
+        self.accumulating = accumulating  # set_requires_gradient_sync(False): grads kept
+        self.accumulated = accumulated    # the synced backward after it: each group's reduced
         self.states = [net._get_fsdp_state()] + [b._get_fsdp_state() for b in net.blocks]
         self.order = [s.group for s in self.states]          # pre-forward order: root, blocks
         # post-forward order (blocks, then root): backward prefetches the group before in it
@@ -115,6 +119,12 @@ class Follower:
         # unsharded gradients: handed to the reduce-scatter in the group's post-backward; its
         # input lives only while the collective runs
         grad_holders = [x for x in self.order if any(t is not None for t in x.grads)]
+        if self.accumulating:  # by design: every group that ran backward keeps its gradients
+            assert set(grad_holders) == self.backwarded and ctx.pending_reduce is None
+            return
+        if self.accumulated:  # ... until its post-backward in the synced backward
+            assert set(grad_holders) == set(self.order) - self.backwarded
+            grad_holders = []
         pending = ctx.pending_reduce
         rs_inputs = 0 if pending is None else sum(b[3] is not None for b in pending.buckets)
         if event in ("pre_backward", "end_of_backward"):
@@ -175,6 +185,24 @@ def _follow_step(layout, reshard_after_forward):
     assert not left, f"{len(left)} storages ({sum(left.values())} bytes) outlive the step"
 
 
+@distributed(world_size=4, timeout=120)
+def test_gradient_accumulation_keeps_unsharded_grads_until_the_synced_backward():
+    """set_requires_gradient_sync(False) keeps every group's unsharded gradients by design (they
+    are what is accumulated); parameters still follow the bound; the synced backward reduces and
+    frees them like any other (HSDP mesh)."""
+    net = build("hsdp", True)
+    x = torch.randn(4, H)
+    net.set_requires_gradient_sync(False)
+    with observe(Follower(net, accumulating=True)):
+        net(x).sum().backward()
+    net.set_requires_gradient_sync(True)
+    follower = Follower(net, accumulated=True)
+    with observe(follower):
+        net(x).sum().backward()
+    for g in follower.order:
+        assert g.state is ShardState.SHARDED and all(t is None for t in g.grads)
+
+
 @distributed(world_size=2, timeout=120)
 @pytest.mark.parametrize("reshard_after_forward", [True, False], ids=["raf", "no-raf"])
 def test_groups_followed_through_a_step_world2(reshard_after_forward):
@@ -183,7 +211,7 @@ def test_groups_followed_through_a_step_world2(reshard_after_forward):
 
 @distributed(world_size=4, timeout=120)
 @pytest.mark.parametrize("layout,reshard_after_forward",
-                         [("fsdp", True), ("2d", True), ("2d", False)],
-                         ids=["fsdp-raf", "2d-raf", "2d-no-raf"])
+                         [("fsdp", True), ("hsdp", True), ("2d", True), ("2d", False)],
+                         ids=["fsdp-raf", "hsdp-raf", "2d-raf", "2d-no-raf"])
 def test_groups_followed_through_a_step_world4(layout, reshard_after_forward):
     _follow_step(layout, reshard_after_forward)
