@@ -298,10 +298,13 @@ def dry_run_setup(cfg: TrainConfig):
         sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
         check_shapes(cfg, sizes)
         model, opt = build(cfg, mesh, sizes)
-        # this rank's rows (token ids: their values never matter to the sizes)
-        inputs = torch.zeros(cfg.batch // dp_size(sizes), cfg.seq, dtype=torch.long)
+        # this rank's rows laid out as global_batch lays them out (inputs and targets are two
+        # overlapping views of one window tensor: the loss copies the strided targets, and that
+        # copy is memory too); token values never matter to the sizes
+        windows = torch.zeros(cfg.batch // dp_size(sizes), cfg.seq + 1, dtype=torch.long)
+        inputs, targets = windows[:, :-1], windows[:, 1:]
         lp = uses_loss_parallel(cfg, sizes)
-        return model, opt, lambda: train_step(model, opt, inputs, inputs, lp)
+        return model, opt, lambda: train_step(model, opt, inputs, targets, lp)
     return setup
 
 

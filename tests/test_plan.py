@@ -3,8 +3,9 @@
 * Agreement: the main example's model on a 2x2 and a 2x2x2 mesh. The same StepMeter measures
   one real training step on every rank of a gloo world (real tensors, real collectives) and the
   dry run measures it in this process (meta tensors, a fake world): communication per collective
-  kind and mesh dim must be equal exactly (the same plans and groups), memory per category within
-  1% (it is exact here too: storages have the same sizes on meta as on the CPU), FLOPs exactly.
+  kind and mesh dim, memory per category and FLOPs must be equal exactly (the same plans and
+  groups; storages have the same sizes on meta as on the CPU), for rank 0 and, with uneven
+  shards, for another rank.
 * Scale: the 70B shape on the 1,024-rank mesh (dp_replicate=8, dp_shard=16, tp=8) and the 405B
   shape on 2,048 ranks, cut to 2 layers and short sequences so they fit the test budget; the full
   ones are measured in docs/scale.md.
@@ -18,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from dtensor_lite import init_device_mesh
-from dtensor_lite.memory_categories import (ACTIVATIONS, CATEGORIES, GRADIENTS,
-                                            OPTIMIZER_STATE, SHARDED_PARAMS)
+from dtensor_lite.memory_categories import (ACTIVATIONS, CATEGORIES, COMM_BUFFERS, GRADIENTS,
+                                            OPTIMIZER_STATE, SHARDED_PARAMS, UNSHARDED_PARAMS)
 from dtensor_lite.plan import LinkModel, dry_run, fake_world, measure_step
 from examples.llama import LLAMA3_CONFIGS
 from examples.train_llama import (TrainConfig, build, corpus_tokens, dp_rows, dry_run_setup,
@@ -60,12 +61,29 @@ def _counts(comm):
 ])
 def test_dry_run_agrees_with_a_real_run(world, mesh, ac, param_dtype):
     cfg = _cfg(mesh, ac, param_dtype=param_dtype)
+    _check_agreement(cfg, world, mesh)
+
+
+def test_dry_run_agrees_on_uneven_shards_for_any_rank():
+    """Vocabulary 250 and hidden 150 split over tp=2 then dp_shard=2: pieces of 63 and 62 rows,
+    38 and 37: ranks hold different bytes; the dry run of rank 3 gives rank 3's own."""
+    model = dataclasses.replace(TrainConfig().model, vocab_size=250, ffn_dim=150)
+    cfg = _cfg("dp_shard=2,tp=2", model=model)
+    real = _check_agreement(cfg, 4, cfg.mesh)
+    assert min(r[0][SHARDED_PARAMS] for r in real) < real[0][0][SHARDED_PARAMS]
+    report = dry_run(dry_run_setup(cfg), parse_mesh(cfg.mesh, None), rank=3)
+    assert report.bytes == real[3][0]
+    assert report.comm_bytes_by_dim() == real[3][1]
+
+
+def _check_agreement(cfg, world, mesh):
     real = run_distributed(world, _real_step, cfg, timeout=300)
     report = dry_run(dry_run_setup(cfg), parse_mesh(mesh, None))
     real_bytes, real_comm, real_counts, real_flops = real[0]
     for category in CATEGORIES:
+        # storages have the same sizes on meta as on the CPU: exact (the issue's bar is 1%)
         want = real_bytes[category]
-        assert abs(report.bytes[category] - want) <= 0.01 * want, (
+        assert report.bytes[category] == want, (
             f"{category}: dry run {report.bytes[category]} vs real {want}")
         # rank 0 holds the largest pieces (torch.chunk layout): the max over ranks
         assert max(r[0][category] for r in real) == want
@@ -74,6 +92,7 @@ def test_dry_run_agrees_with_a_real_run(world, mesh, ac, param_dtype):
             for d in real_counts} == real_counts
     assert report.flops == real_flops
     assert report.bytes[ACTIVATIONS] > 0 and set(real_comm) == set(parse_mesh(mesh, None))
+    return real
 
 
 def test_checkpointing_shrinks_saved_activations():
@@ -124,6 +143,14 @@ def test_llama3_8b_fsdp_bytes_match_published_size():
     report = dry_run(dry_run_setup(cfg), {"dp_shard": 8})
     held = sum(report.bytes[c] for c in (SHARDED_PARAMS, GRADIENTS, OPTIMIZER_STATE))
     assert held == pytest.approx(16 * 8.03e9 / 8, rel=0.01)
+    # gathered at once: the root's parameters (kept from forward to backward) and one block's;
+    # FSDP's buffers: the root's all-gather output and its reduce-scatter input (fp32, exact)
+    m = cfg.model
+    block = (2 * m.dim * m.dim + 2 * m.dim * m.n_kv_heads * (m.dim // m.n_heads)
+             + 3 * m.dim * m.ffn_dim + 2 * m.dim)
+    root = 2 * m.vocab_size * m.dim + m.dim
+    assert report.bytes[UNSHARDED_PARAMS] == 4 * (root + block)
+    assert report.bytes[COMM_BUFFERS] == 2 * 4 * root
 
 
 def test_bad_inputs_raise_clearly():
