@@ -196,3 +196,28 @@ def test_grouped_query_attention_trains_at_parity_under_tp():
     ref = run_distributed(1, _reference, dataclasses.replace(cfg, mesh=""), timeout=300)[0]
     losses = run_distributed(4, _train, cfg, timeout=300)[0]
     assert max(abs(a - b) / abs(b) for a, b in zip(losses, ref)) <= 1e-5
+
+
+def _tracked_second_step(cfg):
+    """A real step measured by dtensor_lite.debug.MemoryTracker (after a first step made the
+    optimizer state): what it finds held at the step's start."""
+    from dtensor_lite.debug import MemoryTracker
+    sizes = parse_mesh(cfg.mesh, dist.get_world_size())
+    mesh = init_device_mesh("cpu", tuple(sizes.values()), mesh_dim_names=tuple(sizes))
+    model, opt = build(cfg, mesh, sizes)
+    inputs, targets = (dp_rows(x, mesh, sizes) for x in global_batch(corpus_tokens(), 0, cfg))
+    lp = uses_loss_parallel(cfg, sizes)
+    train_step(model, opt, inputs, targets, lp)
+    with MemoryTracker(model, opt) as mem:
+        train_step(model, opt, inputs, targets, lp)
+    return mem.at_start
+
+
+def test_dry_run_matches_the_memory_tracker_by_category():
+    """The measured tracker and the dry run share their category names: what a rank holds
+    between steps is the same number in both."""
+    cfg = _cfg("dp_shard=2,tp=2")
+    held = run_distributed(4, _tracked_second_step, cfg, timeout=300)[0]
+    report = dry_run(dry_run_setup(cfg), parse_mesh(cfg.mesh, None))
+    for category in (SHARDED_PARAMS, OPTIMIZER_STATE):
+        assert held[category] == report.bytes[category], category
