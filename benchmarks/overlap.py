@@ -12,6 +12,9 @@ collective's issue to its completion, summed), medians over the timed steps (ran
   only: its collective calls are issued asynchronously (a synchronous call waits at once) and
   ``Work.wait`` is timed.
 
+torch's TP collectives are functional collectives (``_c10d_functional`` ops), which this clock
+does not see: for FSDP+TP its columns cover FSDP's collectives only, ours cover FSDP's and TP's.
+
 Exposed = the issue calls plus the waits; in flight = issue to completion (the backend's
 completion callback if it fired before the wait began, else the end of the wait; gloo's
 reduce-scatter has no callback, so its flight is an upper bound).
@@ -52,7 +55,9 @@ CFG = LlamaConfig(vocab_size=1024, dim=256, n_layers=4, n_heads=8, ffn_dim=704, 
 BATCH, SEQ = 8, 65
 CASES = {"fsdp4": {"dp_shard": 4}, "fsdp2xtp2": {"dp_shard": 2, "tp": 2}}
 MODES = ("off", "default", "explicit")
-IMPLS = ("ours", "torch")
+# ours-async: ours with FSDP's collectives issued asynchronously on CPU too (fsdp.streams.Streams
+# .async_collectives; the library default on CPU is synchronous, as torch's fully_shard is there)
+IMPLS = ("ours", "ours-async", "torch")
 
 
 # ----------------------------------------------------------------------------- torch's clocks
@@ -123,7 +128,7 @@ class _TorchCommTimer:
 # ----------------------------------------------------------------------------- the models
 def build(impl: str, case: str, mode: str):
     sizes = CASES[case]
-    stack = _Stack(impl)
+    stack = _Stack("torch" if impl == "torch" else "ours")
     mesh = stack.init_device_mesh("cpu", tuple(sizes.values()), mesh_dim_names=tuple(sizes))
     torch.manual_seed(0)
     model = Llama(CFG)
@@ -159,7 +164,10 @@ def bench(cases, modes, impls, steps: int, warmup: int) -> list[dict]:
             for key, (model, opt, dp_rank, dp) in runs.items():
                 per = BATCH // dp
                 mine = tokens[dp_rank * per:(dp_rank + 1) * per]
-                clock = ExposedCommMode() if key[0] == "ours" else _TorchCommTimer()
+                if key[0] != "torch":
+                    from fsdp.streams import Streams
+                    Streams.shared(torch.device("cpu")).async_collectives = key[0] == "ours-async"
+                clock = _TorchCommTimer() if key[0] == "torch" else ExposedCommMode()
                 dist.barrier()
                 start = time.perf_counter()
                 with clock:
