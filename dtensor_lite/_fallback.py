@@ -59,8 +59,21 @@ def gather_whole(op, dts, targets, warn: bool) -> list:
                 f"({sum(m[3] for m in moves)} bytes/rank moved: {debug.describe_moves(moves)}). "
                 "Correct, but neither memory nor compute is shared; register a rule with "
                 "dtensor_lite.register_sharding to avoid it (warned once per op and placements)"))
-    return [dt._local_tensor if plan is None else run_plan(dt._local_tensor, plan)
+    return [dt._local_tensor if plan is None else
+            _with_strides(run_plan(dt._local_tensor, plan), dt._spec.stride)
             for dt, plan in zip(dts, plans)]
+
+
+def _with_strides(whole: torch.Tensor, stride) -> torch.Tensor:
+    """The gathered tensor laid out with the global tensor's strides, which ops that read
+    strides (as_strided, as_strided_scatter) address, as they do on one process."""
+    if tuple(whole.stride()) == tuple(stride) or whole.numel() <= 1:
+        return whole
+    try:
+        out = torch.empty_strided(whole.shape, stride, dtype=whole.dtype, device=whole.device)
+    except RuntimeError:  # not a layout one storage can have: keep the gathered one
+        return whole
+    return out.copy_(whole)
 
 
 def write_back(op, dt: DTensor, whole: torch.Tensor) -> None:

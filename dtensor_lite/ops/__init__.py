@@ -5,3 +5,4 @@ from . import random, foreach  # noqa: F401
 from . import nn  # noqa: F401
 from . import loss  # noqa: F401
 from . import attention  # noqa: F401
+from . import view_copy  # noqa: F401  (last: it mirrors the view rules registered above)

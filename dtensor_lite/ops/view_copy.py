@@ -1,0 +1,48 @@
+"""The ``*_copy`` ops (``view_copy``, ``t_copy``, ``split_copy``, ...: functionalization's
+non-aliasing twins of the view ops) share their view op's rule: same placements, and the local
+result is a fresh contiguous tensor instead of a view of the piece.
+
+Registered for every view op that has a rule and a ``_copy`` twin of the same overload, so a new
+view rule gets its copy variant for free.
+"""
+from __future__ import annotations
+
+import torch
+
+from ._registry import RULES, Decompose, FullStrategy, OpCall, get_rule, set_rule
+
+aten = torch.ops.aten
+
+
+def _fresh(out):
+    """A copy that owns its memory (a view rule's local result may alias the piece)."""
+    if isinstance(out, torch.Tensor):
+        return torch.clone(out, memory_format=torch.contiguous_format)
+    return type(out)(_fresh(o) for o in out)
+
+
+def _copy_rule(view_op, view_rule):
+    def rule(call):
+        # the view rule sees its own op (some rules test which op they serve)
+        result = view_rule(OpCall(view_op, call.args, call.kwargs, call.inputs, call.mesh))
+        if isinstance(result, FullStrategy) and result.local_fn is not None:
+            view_fn = result.local_fn
+            result.local_fn = lambda *a, **k: _fresh(view_fn(*a, **k))
+        elif isinstance(result, Decompose):  # runs DTensor ops: clone its DTensor results
+            view_dt_fn = result.fn
+            result = Decompose(lambda *a, **k: _fresh(view_dt_fn(*a, **k)))
+        return result  # without a local_fn the dispatcher runs the copy op itself on the piece
+    return rule
+
+
+def _register_copy_variants():
+    for view_op in list(RULES):
+        if not view_op.is_view:
+            continue
+        twin = getattr(aten, view_op._schema.name.split("::")[-1] + "_copy", None)
+        copy_op = getattr(twin, view_op._overloadname, None) if twin is not None else None
+        if copy_op is not None and get_rule(copy_op) is None:
+            set_rule(copy_op, _copy_rule(view_op, RULES[view_op]))
+
+
+_register_copy_variants()
