@@ -33,18 +33,30 @@ INPLACE_VIEW = torch.Tag.inplace_view
 # alias. Writing into it in place would silently not reach the original, so in-place ops on
 # these (and on views of them) raise. Keyed by id (a WeakSet would compare tensors with ==), each
 # entry leaves when its DTensor dies; the hot path tests only whether the dict is empty.
-COPIED_VIEWS: dict[int, weakref.ref] = {}
+COPIED_VIEWS: dict[int, tuple] = {}  # id -> (weakref, scope: None or a backward node's seq nr)
 
 
-def _add_copied_view(dt: DTensor):
+def _backward_scope():
+    """None in forward code; inside a backward formula, the running node's sequence number."""
+    node = torch._C._current_autograd_node()
+    return None if node is None else node._sequence_nr()
+
+
+def _add_copied_view(dt: DTensor, scope=None):
     key = id(dt)
-    COPIED_VIEWS[key] = weakref.ref(dt, lambda _ref, key=key: COPIED_VIEWS.pop(key, None))
+    COPIED_VIEWS[key] = (weakref.ref(dt, lambda _ref, key=key: COPIED_VIEWS.pop(key, None)),
+                         scope)
 
 
 def check_not_copied_view(d, dts):
-    """Called only while some copied view is alive: refuse writes into one, and let views of a
-    copied view inherit the mark (they alias the copy, not the original)."""
-    if d.mutated is not None and id(dts[d.mutated]) in COPIED_VIEWS:
+    """Called only while some copied view is alive: refuse writes into one. A copy made inside a
+    backward formula counts only within that formula (which may write into its own views, as
+    householder_product's does); the gradient it becomes is a tensor of its own afterwards
+    (accumulated, clipped in place)."""
+    if d.mutated is None:
+        return
+    entry = COPIED_VIEWS.get(id(dts[d.mutated]))
+    if entry is not None and (entry[1] is None or entry[1] == _backward_scope()):
         dt = dts[d.mutated]
         raise RuntimeError(
             f"{d.op} writes in place into a DTensor {tuple(dt.shape)} {list(dt.placements)} that "
@@ -55,14 +67,15 @@ def check_not_copied_view(d, dts):
 
 
 def mark_if_copied_view(d, dts, out):
-    if torch._C._current_autograd_node() is not None:
-        return out  # made by backward (a gradient): nobody holds the "viewed" tensor to write to
-    if d.copies_view or (d.view_src is not None and id(dts[d.view_src]) in COPIED_VIEWS):
+    """Mark the results of a view that copied, and views of such copies (they alias the copy,
+    not the original), with the scope they were made in."""
+    src = COPIED_VIEWS.get(id(dts[d.view_src])) if d.view_src is not None else None
+    if d.copies_view or src is not None:
+        scope = _backward_scope()
         for o in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(o, DTensor):
-                _add_copied_view(o)
+                _add_copied_view(o, scope)
     return out
-
 
 
 # ------------------------------------------------------------------ out= overloads

@@ -50,7 +50,8 @@ def _wire(t: torch.Tensor) -> torch.Tensor:
     if t.dtype in _WIRE_DTYPES:
         t = t.to(_WIRE_DTYPES[t.dtype])
     elif t.is_complex():
-        t = torch.view_as_real(t)
+        # a lazily conjugated / negated piece (a conj() view) has no real view: materialise it
+        t = torch.view_as_real(t.resolve_conj().resolve_neg())
     return t.contiguous()
 
 

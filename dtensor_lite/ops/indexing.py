@@ -263,11 +263,15 @@ def _index_dim_write(call):
     idx = call.args[2] if isinstance(call.args[2], DTensorSpec) else None
     locs = input_locations(call)
     fill = name == "index_fill"
+    # a 0-d source (or self) has no dim to shard alongside self's
+    dims_line_up = x.ndim > 0 and (src is None or src.ndim == x.ndim)
     st = [_strategy(locs, R, {})]
     st += [_strategy(locs, Shard(d), {0: Shard(d)} if fill else {0: Shard(d), 3: Shard(d)})
-           for d in range(x.ndim) if d != dim]
-    st.append(_strategy(locs, Shard(dim), {0: Shard(dim)}))
-    if name == "index_add" and idx is not None and src is not None and idx.ndim == 1:
+           for d in range(x.ndim) if d != dim and (fill or dims_line_up)]
+    if x.ndim > 0:
+        st.append(_strategy(locs, Shard(dim), {0: Shard(dim)}))
+    if name == "index_add" and idx is not None and src is not None and idx.ndim == 1 and \
+            dims_line_up:
         st.append(_strategy(locs, Partial("sum"), {0: Partial("sum"), 2: Shard(0),
                                                    3: Shard(dim)}))
     if name == "index_reduce":  # colliding writes combine: only amax / amin keep a Partial

@@ -145,6 +145,9 @@ def target_spec(call, full: FullStrategy, j: int) -> DTensorSpec:
     want = full.ins[j]
     if want is None:
         return spec
+    if any(p.is_shard() and not 0 <= p.dim < spec.ndim for p in want):
+        raise RuntimeError(f"sharding rule for {call.op} asks input {j} of shape "
+                           f"{tuple(spec.shape)} to be {list(want)} (a bug in the rule)")
     order = full.in_orders[j] if full.in_orders is not None else None
     if order is None:
         if tuple(want) == spec.placements:

@@ -538,6 +538,10 @@ def _split(call):
 
 # ------------------------------------------------------------------ complex views
 def _complex_view(x, op):
+    if x.is_conj() or x.is_neg():
+        # the wrapper of a conj() DTensor carries no conj bit, its piece does (the _conj view):
+        # plain torch would have resolved it before viewing, so resolve the piece
+        x = x.resolve_conj().resolve_neg()
     try:
         return op(x)
     except RuntimeError:  # a strided local piece (e.g. after a gather): make it viewable

@@ -46,3 +46,24 @@ def _register_copy_variants():
 
 
 _register_copy_variants()
+
+
+# ``_conj`` / ``_neg_view`` are views that only set a bit on the tensor. A DTensor wrapper cannot
+# carry that bit (torch's composite code reads ``is_conj()`` on the wrapper to decide whether to
+# resolve it, and some kernels, e.g. ``_fft_c2r``, ignore an unresolved bit on the piece), so the
+# piece is conjugated / negated physically: the value is the same and nothing is left pending.
+def _physical_twin(view_op, view_rule, local_fn):
+
+    def rule(call):
+        from ._expansion import expand_strategies  # noqa: PLC0415 - rules module order
+        result = view_rule(call)
+        if not isinstance(result, FullStrategy):
+            result = expand_strategies(call, list(result))
+        result.local_fn = local_fn
+        return result
+    set_rule(view_op, rule)
+
+
+_ELEMENTWISE = get_rule(aten._conj.default)  # the pointwise family's rule: placements kept
+_physical_twin(aten._conj.default, _ELEMENTWISE, torch.conj_physical)
+_physical_twin(aten._neg_view.default, _ELEMENTWISE, torch.neg)
