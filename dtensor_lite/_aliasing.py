@@ -36,10 +36,16 @@ INPLACE_VIEW = torch.Tag.inplace_view
 COPIED_VIEWS: dict[int, tuple] = {}  # id -> (weakref, scope: None or a backward node's seq nr)
 
 
+_GRAD_STORE = "torch::autograd::AccumulateGrad"
+
+
 def _backward_scope():
-    """None in forward code; inside a backward formula, the running node's sequence number."""
+    """None in forward code; inside a backward formula, the running node's sequence number;
+    ``False`` while autograd stores a ``.grad`` (no formula, nothing of the user's to alias)."""
     node = torch._C._current_autograd_node()
-    return None if node is None else node._sequence_nr()
+    if node is None:
+        return None
+    return False if node.name() == _GRAD_STORE else node._sequence_nr()
 
 
 def _add_copied_view(dt: DTensor, scope=None):
@@ -72,6 +78,8 @@ def mark_if_copied_view(d, dts, out):
     src = COPIED_VIEWS.get(id(dts[d.view_src])) if d.view_src is not None else None
     if d.copies_view or src is not None:
         scope = _backward_scope()
+        if scope is False:
+            return out  # a .grad being stored: accumulating into it later is no write into a view
         for o in (out if isinstance(out, (tuple, list)) else (out,)):
             if isinstance(o, DTensor):
                 _add_copied_view(o, scope)

@@ -117,8 +117,12 @@ def key_scalars_by_value(op):
 
 
 def _overloads(op):
+    """The overloads a registration for ``op`` covers. A packet's ``out=`` overloads are left
+    out: the dispatcher runs them as their functional overload plus a copy into ``out``, while
+    a rule written for the functional overload would count ``out`` as one more input."""
     if isinstance(op, torch._ops.OpOverloadPacket):
-        return [getattr(op, name) for name in op.overloads()]
+        overloads = [getattr(op, name) for name in op.overloads()]
+        return [o for o in overloads if not any(a.is_out for a in o._schema.arguments)]
     return [op]
 
 
