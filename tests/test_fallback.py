@@ -131,3 +131,31 @@ def test_explicit_redistribution_context():
     a + b  # outside: as before
     with pytest.raises(ValueError, match="mode"):
         ExplicitRedistributionContext(mode="explode")
+
+
+@distributed(world_size=4)
+def test_slicewise_ops_keep_batch_shards():
+    """Linear algebra on a batch of matrices and pooling over batch/channel shards move nothing;
+    only the dims an op mixes are gathered."""
+    import torch.nn.functional as F
+    mesh = init_device_mesh("cpu", (2, 2))
+    a = torch.randn(5, 3, 4, 4) + 4 * torch.eye(4)
+    da = distribute_tensor(a, mesh, [Shard(0), Shard(1)])
+    img = torch.randn(6, 3, 8, 8)
+    dimg = distribute_tensor(img, mesh, [Shard(0), Shard(1)])
+    counts = []
+    for fn in (lambda: torch.linalg.inv(da), lambda: F.max_pool2d(dimg, 2),
+               lambda: F.interpolate(dimg, scale_factor=2, mode="bilinear")):
+        with CommDebugMode() as comm:
+            counts.append((fn(), comm.get_total_counts()))
+    (inv, c1), (pooled, c2), (up, c3) = counts
+    # inv moves only its status codes (one gather per mesh dim: every rank must raise together
+    # for a singular matrix anywhere), never the matrices
+    assert (c1, c2, c3) == (mesh.ndim, 0, 0)
+    assert inv.placements == pooled.placements == up.placements == (Shard(0), Shard(1))
+    torch.testing.assert_close(inv.full_tensor(), torch.linalg.inv(a))
+    torch.testing.assert_close(pooled.full_tensor(), F.max_pool2d(img, 2))
+    torch.testing.assert_close(up.full_tensor(), F.interpolate(img, scale_factor=2,
+                                                               mode="bilinear"))
+    mixed = distribute_tensor(a, mesh, [Shard(2), R])  # a matrix dim: gathered, still correct
+    torch.testing.assert_close(torch.linalg.inv(mixed).full_tensor(), torch.linalg.inv(a))

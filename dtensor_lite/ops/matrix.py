@@ -93,7 +93,4 @@ def _mv(call):
             ((Partial("sum"),), (Shard(1), Shard(0)))]
 
 
-@register_rule(aten._linalg_svd)
-def _svd(call):
-    # no sharded SVD here: the factorisation runs on the whole matrix, on every rank
-    return [((R, R, R), (R,))]
+# _linalg_svd: see batched.py (batch dims stay sharded, the matrix dims are gathered)
