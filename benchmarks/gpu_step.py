@@ -11,7 +11,7 @@ as the 6N rule of thumb counts it; attention's own FLOPs are left out, so MFU is
 The variants run one after the other (each on a fresh model, the allocator's peak reset), not
 interleaved: on one GPU, each needs the whole memory picture to itself.
 
-    python benchmarks/gpu_step.py [--variants ours torch plain] [--ac none full] [--compile]
+    python benchmarks/gpu_step.py [--variants ours torch plain] [--ac none full] [--compile off|on|both]
                                   [--layers 16] [--steps 10] [--json PATH]
 
 Needs CUDA; ``--device cpu`` with a tiny ``--layers 1 --dim 64`` model only checks the script.
@@ -31,7 +31,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from examples.llama import Block, Llama, LlamaConfig, loss_fn  # noqa: E402
+from examples.llama import Llama, LlamaConfig, loss_fn  # noqa: E402
 
 # dense bf16 peak FLOP/s by device name (the datasheets' numbers without sparsity)
 PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -102,14 +102,18 @@ def run_variant(variant: str, cfg: LlamaConfig, args, ac: str, compile_blocks: b
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    losses, times = [], []
+    losses, times, step_peaks = [], [], []
     for i in range(args.warmup + args.steps):
         _sync(device)
+        if device == "cuda":
+            torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         loss = step()
         _sync(device)
         if i >= args.warmup:
             times.append(time.perf_counter() - t0)
+            if device == "cuda":  # FSDP's stream/event path must allocate the same every step
+                step_peaks.append(torch.cuda.max_memory_allocated())
         losses.append(float(loss))
     n_params = sum(p.numel() for p in model.parameters())
     step_s = statistics.median(times)
@@ -119,11 +123,11 @@ def run_variant(variant: str, cfg: LlamaConfig, args, ac: str, compile_blocks: b
         "variant": variant, "ac": ac, "compiled": compile_blocks, "params": n_params,
         "step_ms": 1000 * step_s, "tokens_per_s": tokens_per_step / step_s,
         "mfu": 6 * n_params * tokens_per_step / step_s / peak if peak else None,
-        "peak_alloc_GiB": ((torch.cuda.max_memory_allocated() - base) / 2**30
-                           if device == "cuda" else None),
+        "peak_alloc_GiB": (max(step_peaks, default=base) - base) / 2**30 if step_peaks else None,
+        "step_peaks_bytes": step_peaks,
+        "peak_same_every_step": len(set(step_peaks)) <= 1 if step_peaks else None,
         "losses": losses,
     }
-    del model, opt
     return row
 
 
@@ -133,7 +137,8 @@ def main():
     parser.add_argument("--variants", nargs="+", default=["ours", "torch", "plain"],
                         choices=["ours", "torch", "plain"])
     parser.add_argument("--ac", nargs="+", default=["none"], choices=["none", "full"])
-    parser.add_argument("--compile", action="store_true", help="also run each block compiled")
+    parser.add_argument("--compile", choices=["off", "on", "both"], default="off",
+                        help="run each block eager (off), compiled (on) or both")
     parser.add_argument("--layers", type=int, default=16)
     parser.add_argument("--dim", type=int, default=2048)
     parser.add_argument("--batch", type=int, default=4)
@@ -152,7 +157,7 @@ def main():
     cfg = LlamaConfig(vocab_size=32000, dim=args.dim, n_layers=args.layers, n_heads=heads,
                       ffn_dim=int(2.75 * args.dim) // 64 * 64, max_seq_len=args.seq)
     rows = []
-    for compiled in ([False, True] if args.compile else [False]):
+    for compiled in {"off": [False], "on": [True], "both": [False, True]}[args.compile]:
         for ac in args.ac:
             for variant in args.variants:
                 try:
@@ -171,17 +176,18 @@ def main():
                         f"{args.seq} tokens, bf16 compute / fp32 master, AdamW, torch "
                         f"{torch.__version__}")
     for col in ("variant", "AC", "compiled", "step ms", "tokens/s", "MFU", "peak GiB",
-                "loss first→last"):
+                "same peak each step", "loss first→last"):
         table.add_column(col)
     for r in rows:
         if "error" in r:
             table.add_row(r["variant"], r["ac"], str(r["compiled"]), "error", r["error"][:60],
-                          "", "", "")
+                          "", "", "", "")
             continue
         table.add_row(r["variant"], r["ac"], str(r["compiled"]), f"{r['step_ms']:.1f}",
                       f"{r['tokens_per_s']:,.0f}",
                       f"{100 * r['mfu']:.1f}%" if r["mfu"] else "n/a",
                       f"{r['peak_alloc_GiB']:.2f}" if r["peak_alloc_GiB"] is not None else "n/a",
+                      str(r["peak_same_every_step"]),
                       f"{r['losses'][0]:.4f}→{r['losses'][-1]:.4f}")
     Console(width=160).print(table)
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
