@@ -305,7 +305,9 @@ class ParamGroup:
                     work = None
                     out.copy_(inp)
                 for k in ks:
-                    grads[k] = None  # packed: the caller's reference is the last one
+                    if grads[k] is not None:  # packed on this stream: free once the copy ran
+                        self.streams.read_by("reduce_scatter", grads[k])
+                    grads[k] = None  # the caller's reference is the last one
                 # the input lives only while the collective reads it
                 out_buckets.append((params, offsets, work, inp if work is not None else None,
                                     out))

@@ -13,10 +13,15 @@ NCCL runs the collectives on its own stream, ordered after the side stream that 
 all-gather; for a reduce-scatter, its own side stream, which also divides and writes the
 gradients (the compute stream joins it at the end of backward), so finishing it early costs the
 compute stream nothing. Memory is kept
-safe without ``record_stream``: a side stream always waits for the compute stream before it
-allocates (``side()`` below). A buffer that was allocated on a side stream and read on the compute
-stream may be reused by the caching allocator only for a later side-stream allocation, which by
-then is ordered after everything the compute stream had queued -- including that read.
+safe: a side stream always waits for the compute stream before it allocates (``side()`` below).
+A buffer that was allocated on a side stream and read on the compute stream may be reused by the
+caching allocator only for a later side-stream allocation, which by then is ordered after
+everything the compute stream had queued -- including that read. The one buffer going the other
+way is an unsharded gradient: made by autograd on the compute stream, packed into the
+reduce-scatter input on its side stream and dropped right after (FSDP keeps no gradient beside
+the next group's backward). Dropped bare, the compute stream could reuse its memory before the
+queued packing copy has read it -- silently wrong gradients. ``read_by`` records it on the side
+stream instead, so the allocator hands that memory out only once the copy ran.
 """
 from __future__ import annotations
 
@@ -66,6 +71,13 @@ class Streams:
         stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             yield
+
+    def read_by(self, name: str, tensor: torch.Tensor):
+        """``tensor``, allocated on the compute stream, was just read by work queued on side stream
+        ``name`` and its last reference is about to go: its memory must not return to the compute
+        stream before that work ran (the unsharded gradients packed for the reduce-scatter)."""
+        if self.is_cuda:
+            tensor.record_stream(self._streams[name])
 
     def join(self, name: str):
         """The compute stream waits for side stream ``name``'s queued work (its results are
