@@ -12,6 +12,8 @@ from .redistribute import explain_redistribute, RedistributePlan
 from .api import (distribute_tensor, distribute_module, zeros, ones, empty, full, rand, randn)
 from . import debug, random
 from .strategy_api import local_map, register_sharding
+from .primitives import (all_to_all_single, compute_local_shape_and_global_offset, ring_shift,
+                         send_recv)
 from .state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                          get_state_dict, set_model_state_dict, set_optimizer_state_dict,
                          set_state_dict)
@@ -20,6 +22,7 @@ __all__ = [
     "DeviceMesh", "init_device_mesh", "Placement", "Shard", "Replicate", "Partial", "DTensor",
     "DTensorSpec", "TensorMeta", "distribute_tensor", "distribute_module", "zeros", "ones",
     "empty", "full", "rand", "randn", "explain_redistribute", "RedistributePlan", "debug", "register_sharding", "local_map",
+    "ring_shift", "send_recv", "all_to_all_single", "compute_local_shape_and_global_offset",
     "StateDictOptions", "get_model_state_dict", "set_model_state_dict", "get_optimizer_state_dict",
     "set_optimizer_state_dict", "get_state_dict", "set_state_dict",
 ]

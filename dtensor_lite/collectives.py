@@ -14,7 +14,9 @@ blocked on it (exposed communication) and when it completed: ``debug.ExposedComm
 
 Cost model (bytes sent per rank; ``n`` = group size, ``c`` = one padded chunk in bytes):
   all_gather (n-1)*c · reduce_scatter (n-1)*c · all_reduce 2*(n-1)*ceil(numel/n)*itemsize ·
-  all_to_all (n-1)*c · broadcast numel*itemsize · scatter (n-1)*c (the source's share).
+  all_to_all (n-1)*c · broadcast numel*itemsize · scatter (n-1)*c (the source's share) ·
+  all_to_all_single (uneven splits) the rows sent to other ranks · send_recv / ring_shift the
+  bytes this rank sends (0 on a rank that only receives).
 """
 from __future__ import annotations
 
@@ -27,7 +29,8 @@ from ._compile import is_traced
 from .debug import _ACTIVE, _TIMERS, CommFlight, _record
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "scatter",
-           "broadcast_object", "all_reduce_cost", "flat_all_gather", "flat_reduce_scatter", "Pending"]
+           "broadcast_object", "all_reduce_cost", "flat_all_gather", "flat_reduce_scatter",
+           "all_to_all_single", "send_recv", "Pending"]
 
 # torch 2.13 renamed the *_into_tensor / *_tensor collectives to *_single
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -338,3 +341,124 @@ def flat_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, mesh, mesh_dim: in
     _report("reduce_scatter", (dg.size - 1) * out.numel() * out.element_size(), dg.size, mesh,
             mesh_dim)
     return _launch("reduce_scatter", work, lambda: None, async_op)
+
+
+def _check_splits(name: str, splits, n: int, rows: int | None):
+    """``splits`` as a list of n non-negative ints summing to ``rows`` (None: n equal parts)."""
+    if splits is None:
+        if rows is not None and rows % n:
+            raise ValueError(f"all_to_all_single: {rows} rows do not split evenly over {n} ranks "
+                             f"and no {name} was given; pass the per-rank row counts")
+        return None if rows is None else [rows // n] * n
+    splits = [int(s) for s in splits]
+    if len(splits) != n or any(s < 0 for s in splits):
+        raise ValueError(f"all_to_all_single: {name}={splits} must give one non-negative row "
+                         f"count per rank of the mesh dim ({n} ranks)")
+    if rows is not None and sum(splits) != rows:
+        raise ValueError(f"all_to_all_single: {name}={splits} sums to {sum(splits)} but the "
+                         f"input has {rows} rows along dim 0")
+    return splits
+
+
+def _split_to_group_order(x: torch.Tensor, splits: list[int], dg):
+    """Pieces of ``x`` (dim 0, sizes ``splits``, mesh-coordinate order) reordered for the group."""
+    if dg.is_sorted:
+        return x, splits
+    pieces = x.split(splits)
+    coord_of_group = sorted(range(dg.size), key=lambda c: dg.group_rank_of_coord[c])
+    return (torch.cat([pieces[c] for c in coord_of_group]),
+            [splits[c] for c in coord_of_group])
+
+
+def all_to_all_single(tensor: torch.Tensor, mesh, mesh_dim: int, output_split_sizes=None,
+                      input_split_sizes=None, async_op: bool = False):
+    """torch's ``all_to_all_single`` over one mesh dim, uneven splits included: rows
+    ``input_split_sizes[k]`` of ``tensor`` (dim 0, in order) go to coordinate k; the result holds
+    ``output_split_sizes[k]`` rows from each coordinate k, in mesh order. None: equal splits.
+    Counted as ``all_to_all``, bytes = the rows sent to *other* ranks (no padding)."""
+    dg = mesh._dim_group(mesh_dim)
+    n = dg.size
+    in_splits = _check_splits("input_split_sizes", input_split_sizes, n, tensor.shape[0])
+    out_splits = _check_splits("output_split_sizes", output_split_sizes, n,
+                               None if output_split_sizes is not None else tensor.shape[0])
+    if n == 1:
+        if out_splits != in_splits:
+            raise ValueError(f"all_to_all_single on a 1-rank mesh dim: output_split_sizes "
+                             f"{out_splits} must equal input_split_sizes {in_splits}")
+        return _launch("all_to_all", None, lambda: tensor, async_op)
+    x = _wire(tensor)
+    if is_traced(x):
+        raise NotImplementedError("all_to_all_single with uneven splits cannot be traced by "
+                                  "torch.compile yet; run it eagerly (a graph break)")
+    row_bytes = x[0].numel() * x.element_size() if x.shape[0] else 0
+    x, group_in = _split_to_group_order(x, in_splits, dg)
+    out = x.new_empty((sum(out_splits),) + tuple(x.shape[1:]))
+    _, group_out = _split_to_group_order(out, out_splits, dg)
+    work = _issue(dist.all_to_all_single, out, x.contiguous(), group_out, group_in, group=dg.group)
+    _report("all_to_all", (sum(in_splits) - in_splits[dg.coordinate]) * row_bytes, n, mesh,
+            mesh_dim)
+
+    def finish():
+        res = out
+        if not dg.is_sorted:  # group order back to mesh-coordinate order
+            pieces = dict(zip(sorted(range(n), key=lambda c: dg.group_rank_of_coord[c]),
+                              out.split(group_out)))
+            res = torch.cat([pieces[c] for c in range(n)])
+        return _unwire(res, tensor)
+    return _launch("all_to_all", work, finish, async_op)
+
+
+class _Works:
+    """Several c10d works (a send and a receive) waited for as one."""
+
+    __slots__ = ("works", "buffers")
+
+    def __init__(self, works, buffers):
+        self.works, self.buffers = works, buffers  # buffers: alive until the bytes have moved
+
+    def wait(self):
+        for w in self.works:
+            w.wait()
+
+    def is_completed(self) -> bool:
+        return all(w.is_completed() for w in self.works)
+
+    def get_future(self):
+        raise RuntimeError("no single future for a send/receive pair")  # see debug.on_completion
+
+
+def send_recv(tensor: torch.Tensor | None, mesh, mesh_dim: int, dst: int | None, src: int | None,
+              recv_shape=None, recv_dtype=None, async_op: bool = False, kind: str = "send_recv"):
+    """Point-to-point over one mesh dim: send ``tensor`` to coordinate ``dst`` and receive a
+    tensor of ``recv_shape`` / ``recv_dtype`` (default: ``tensor``'s) from coordinate ``src``;
+    either side may be None. Returns the received tensor (None when ``src`` is None). Every rank
+    of a pair must issue its sends and receives with a peer in the same order (they match in
+    order). ``kind`` names the call for CommDebugMode (``ring_shift`` for a ring's step)."""
+    dg = mesh._dim_group(mesh_dim)
+    me = dg.coordinate
+    if (dst == me) != (src == me):
+        raise ValueError(f"{kind}: coordinate {me} sends to {dst} and receives from {src}; a "
+                         "rank can only exchange with itself for both (a shift by 0)")
+    like = tensor
+    shape = tuple(recv_shape) if recv_shape is not None else tuple(tensor.shape)
+    dtype = recv_dtype if recv_dtype is not None else tensor.dtype
+    if dst == me:  # a shift by a multiple of the ring: stays here
+        return _launch(kind, None, lambda: tensor.clone(), async_op)
+    works, started, sent, received, x = [], time.perf_counter(), 0, None, None
+    if dst is not None:
+        x = _wire(tensor)
+        if is_traced(x):
+            raise NotImplementedError(f"{kind} cannot be traced by torch.compile yet; run it "
+                                      "eagerly (a graph break)")
+        works.append(dist.isend(x, dst=dg.ranks[dst], group=dg.group))
+        sent = x.numel() * x.element_size()
+    if src is not None:
+        if like is None or like.dtype != dtype or tuple(like.shape) != shape:
+            like = torch.empty(shape, dtype=dtype, device=mesh.device_type if like is None
+                               else like.device)
+        received = _wire(torch.empty_like(like))
+        works.append(dist.irecv(received, src=dg.ranks[src], group=dg.group))
+    _report(kind, sent, dg.size, mesh, mesh_dim)
+    issued = (_Works(works, (x, received)), started) if works else None
+    return _launch(kind, issued, lambda: None if received is None else _unwire(received, like),
+                   async_op)

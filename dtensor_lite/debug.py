@@ -49,8 +49,9 @@ class CommDebugMode:
     ``get_per_module_comm_counts()`` -> ``{module_fqn: {kind: count}}`` for collectives issued
     inside a module's forward (``"Global"`` holds everything);
     ``get_comm_bytes_by_mesh_dim()`` -> ``{mesh dim name: {kind: bytes}}``.
-    Kinds: ``all_gather``, ``reduce_scatter``, ``all_reduce``, ``all_to_all``, ``broadcast``,
-    ``scatter``.
+    Kinds: ``all_gather``, ``reduce_scatter``, ``all_reduce``, ``all_to_all`` (uneven
+    ``all_to_all_single`` too), ``broadcast``, ``scatter``, and the point-to-point ``ring_shift``
+    and ``send_recv`` (bytes this rank sends).
     """
 
     def __init__(self):

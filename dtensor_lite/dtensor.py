@@ -119,6 +119,18 @@ class DTensor(torch.Tensor):
     def device_mesh(self) -> DeviceMesh:
         return self._spec.mesh
 
+    def local_offset(self) -> tuple[int, ...]:
+        """Where this rank's piece starts in the global tensor, per dim (metadata only; uneven
+        and nested shards follow ``torch.chunk``). Other ranks' pieces:
+        ``compute_local_shape_and_global_offset(dt.shape, mesh, placements, coordinate)``.
+
+        Example::
+
+            >>> x = distribute_tensor(torch.randn(13, 8), mesh, [Shard(0)])   # 4 ranks
+            >>> x.local_offset()     # rank 3 holds row 12 only: (12, 0)
+        """
+        return self._spec.local_shape_and_offset()[1]
+
     @staticmethod
     @boundary
     def from_local(local_tensor: torch.Tensor, device_mesh: DeviceMesh | None = None,
