@@ -330,11 +330,13 @@ def _default_mesh(like: torch.Tensor) -> DeviceMesh:
     return mesh
 
 
-def _checked_global_shape(local, mesh, placements, shape):
+def _checked_global_shape(local, mesh, placements, shape, check_replicas: bool = True):
     """Gather every rank's local shape to derive the exact global shape (run_check=True).
 
     Every check ends in a verdict that all ranks share (an all-reduce over every mesh dim), so a
     bad piece on one rank makes *every* rank raise instead of leaving the others to hang later.
+    ``check_replicas=False`` skips comparing the Replicate pieces' values (a broadcast of the
+    data): for callers that only need the shape (local_map).
     """
     from .collectives import all_gather, all_reduce, broadcast
     device = local.device if local.device.type != "meta" else "cpu"
@@ -370,13 +372,13 @@ def _checked_global_shape(local, mesh, placements, shape):
         raise ValueError(f"from_local: shape={tuple(shape)} but the ranks' pieces add up to "
                          f"{tuple(global_shape)} for placements {list(placements)}")
     differs = []
-    for i, p in enumerate(placements):
+    for i, p in enumerate(placements if check_replicas else ()):
         if p.is_replicate():
             ref = local.clone()
             broadcast(ref, mesh, i, 0)
             if not torch.equal(ref, local):
                 differs.append(i)
-    if any(p.is_replicate() for p in placements) and everywhere_max([int(bool(differs))])[0]:
+    if check_replicas and any(p.is_replicate() for p in placements) and everywhere_max([int(bool(differs))])[0]:
         where = (f"rank {mesh.get_rank()} differs from coordinate 0 on mesh dims {differs}"
                  if differs else f"rank {mesh.get_rank()} matches; another rank differs")
         raise ValueError(
