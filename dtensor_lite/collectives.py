@@ -68,6 +68,34 @@ def _unwire(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return t
 
 
+# A max / min collective over floats travels as integers ordered like the floats ("order keys"):
+# gloo's MAX / MIN keep whichever operand their comparison favours, so a NaN survives only where
+# it happened to be the accumulator (rank order) -- torch's max / min propagate NaN always. As
+# keys, NaN is placed beyond +inf (max) or below -inf (min) and wins every comparison; the bytes
+# on the wire are the same as the floats'.
+_ORDER_KEY_DTYPES = {torch.float64: torch.int64, torch.float32: torch.int32,
+                     torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def _needs_order_keys(t: torch.Tensor, reduce_op: str) -> bool:
+    return reduce_op in ("max", "min") and t.dtype in _ORDER_KEY_DTYPES
+
+
+def _to_order_keys(t: torch.Tensor, reduce_op: str) -> torch.Tensor:
+    """Integers that compare as the floats ``t`` do, NaN winning ``reduce_op``."""
+    key_dtype = _ORDER_KEY_DTYPES[t.dtype]
+    bits = t.contiguous().view(key_dtype)
+    info = torch.iinfo(key_dtype)
+    # sign-magnitude -> two's complement order: negative floats grow toward -0 as bits shrink
+    keys = torch.where(bits < 0, bits ^ info.max, bits)
+    return keys.masked_fill(t.isnan(), info.max if reduce_op == "max" else info.min)
+
+
+def _from_order_keys(keys: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The floats of ``_to_order_keys`` (the map is its own inverse; NaN keys decode to NaN)."""
+    return torch.where(keys < 0, keys ^ torch.iinfo(keys.dtype).max, keys).view(dtype)
+
+
 def _report(kind: str, nbytes: int, n: int, mesh, mesh_dim: int):
     if _ACTIVE:
         names = mesh.mesh_dim_names
@@ -208,7 +236,9 @@ def reduce_scatter(tensor: torch.Tensor, mesh, mesh_dim: int, reduce_op: str = "
     if n == 1:
         return _launch("reduce_scatter", None, lambda: _finish_avg(tensor.clone(), reduce_op, n),
                        async_op)
-    x = _wire(tensor.movedim(scatter_dim, 0) if scatter_dim else tensor)
+    keyed = _needs_order_keys(tensor, reduce_op)
+    x = tensor.movedim(scatter_dim, 0) if scatter_dim else tensor
+    x = _wire(_to_order_keys(x, reduce_op) if keyed else x)
     x = _chunks_to_group_order(x, dg).contiguous()
     if is_traced(x):
         out, work = _traced("reduce_scatter", x, dg, _TRACED_OP[reduce_op]), None
@@ -218,7 +248,10 @@ def reduce_scatter(tensor: torch.Tensor, mesh, mesh_dim: int, reduce_op: str = "
     _report("reduce_scatter", (n - 1) * out.numel() * out.element_size(), n, mesh, mesh_dim)
 
     def finish():
-        res = _finish_avg(_unwire(out, tensor), reduce_op, n)
+        if keyed:
+            res = _from_order_keys(out.to(_ORDER_KEY_DTYPES[tensor.dtype]), tensor.dtype)
+        else:
+            res = _finish_avg(_unwire(out, tensor), reduce_op, n)
         return res.movedim(0, scatter_dim) if scatter_dim else res
     return _launch("reduce_scatter", work, finish, async_op)
 
@@ -231,14 +264,20 @@ def all_reduce(tensor: torch.Tensor, mesh, mesh_dim: int, reduce_op: str = "sum"
     if n == 1:
         return _launch("all_reduce", None, lambda: _finish_avg(tensor.clone(), reduce_op, n),
                        async_op)
+    keyed = _needs_order_keys(tensor, reduce_op)
+    wired = _wire(_to_order_keys(tensor, reduce_op) if keyed else tensor)
     if is_traced(tensor):
-        x, work = _traced("all_reduce", _wire(tensor), dg, _TRACED_OP[reduce_op]), None
+        x, work = _traced("all_reduce", wired, dg, _TRACED_OP[reduce_op]), None
     else:
-        x = _wire(tensor).clone()
+        x = wired if keyed else wired.clone()  # keys are a fresh tensor already
         work = _issue(dist.all_reduce, x, op=_REDUCE[reduce_op], group=dg.group)
     _report("all_reduce", all_reduce_cost(x.numel(), x.element_size(), n), n, mesh, mesh_dim)
-    return _launch("all_reduce", work, lambda: _finish_avg(_unwire(x, tensor), reduce_op, n),
-                   async_op)
+
+    def finish():
+        if keyed:
+            return _from_order_keys(x.to(_ORDER_KEY_DTYPES[tensor.dtype]), tensor.dtype)
+        return _finish_avg(_unwire(x, tensor), reduce_op, n)
+    return _launch("all_reduce", work, finish, async_op)
 
 
 def _finish_avg(t: torch.Tensor, reduce_op: str, n: int) -> torch.Tensor:

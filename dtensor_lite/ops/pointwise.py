@@ -16,7 +16,8 @@ When a Partial survives (one strategy per mesh dim, picked by the dispatcher's c
 * ``mul``: one Partial(sum/avg) factor times replicated ones; by a Python scalar also max/min
   (swapped for a negative scalar); ``div``: a Partial numerator over a replicated denominator;
 * ``lerp``/``addcmul``/``addcdiv``: jointly linear in (self, the other Partial operand);
-* ``maximum``/``minimum`` & co: monotone in each operand, so max/min Partials survive.
+* ``maximum``/``minimum`` & co: monotone in each operand, so max/min Partials survive (not the
+  NaN-dropping ``fmax``/``fmin``/``sign``/``nan_to_num``: max/min Partials propagate NaN).
 """
 from __future__ import annotations
 
@@ -50,15 +51,16 @@ _EXTRA = [
 # partial behaviour by base op name (in-place and functional variants alike)
 _COPY = {"clone", "alias", "detach", "lift_fresh", "positive", "_conj", "resolve_conj",
          "resolve_neg", "contiguous"}
+# Non-decreasing *and* NaN-preserving: max / min reductions propagate NaN, so an op that maps NaN
+# to a number (sign, sgn, nan_to_num; fmax / fmin below) would let one rank's NaN be outvoted.
 _NON_DECREASING = {
     "asinh", "atan", "ceil", "deg2rad", "erf", "exp", "exp2", "expm1", "floor", "rad2deg",
-    "relu", "relu6", "round", "sgn", "sigmoid", "sign", "sinh", "tanh", "trunc", "nan_to_num",
-    "hardshrink", "hardtanh", "hardsigmoid", "softplus", "selu", "special_i1", "clamp",
+    "relu", "relu6", "round", "sigmoid", "sinh", "tanh", "trunc", "hardshrink", "hardtanh", "hardsigmoid", "softplus", "selu", "special_i1", "clamp",
     "clamp_min", "clamp_max", "clip",
 }
 _NON_INCREASING = {"erfc"}
-_MAXIMUM = {"maximum", "fmax", "max"}        # max.other: the binary elementwise overload
-_MINIMUM = {"minimum", "fmin", "min"}
+_MAXIMUM = {"maximum", "max"}        # max.other: the binary elementwise overload
+_MINIMUM = {"minimum", "min"}
 
 
 def _base(op) -> str:
