@@ -201,7 +201,11 @@ class ParamGroup:
         self._pending_ag = None
         with torch.no_grad():
             if pending.work is not None:
-                pending.work.wait()
+                pending.work.wait()  # orders this stream after the collective (and its copy-in)
+            else:
+                # nothing to gather (one shard, or empty shards): the output is the copy-in alone,
+                # written on the side stream -- this stream must still wait for it
+                self.streams.join("all_gather")
             n = self._post_forward_n()
             if keep_post_forward_piece and n and not pending.from_post_forward:
                 # keep 1/n of the whole gathered buffer for the N-way re-gather in backward

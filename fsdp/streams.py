@@ -81,7 +81,8 @@ class Streams:
 
     def join(self, name: str):
         """The compute stream waits for side stream ``name``'s queued work (its results are
-        read next: the reduced gradients at the end of backward)."""
+        read next: the reduced gradients at the end of backward, or a copy-in that no
+        collective followed, whose work handle would have ordered it)."""
         if self.is_cuda:
             torch.cuda.current_stream(self.device).wait_stream(self._streams[name])
 
