@@ -493,7 +493,7 @@ def _validate_mesh(mesh) -> torch.Tensor:
         t = mesh.detach().cpu()
     else:
         try:
-            t = torch.tensor(mesh)
+            t = torch.tensor(mesh, device="cpu")  # host, whatever the default
         except Exception as e:  # ragged lists and the like
             raise ValueError(f"DeviceMesh mesh must be a rectangular array of ranks, got {mesh!r}") from e
     if t.ndim == 0 or t.numel() == 0:  # before the dtype check: torch.tensor([]) is float
@@ -563,5 +563,5 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
         # one GPU per local rank unless the user already picked one
         local = int(__import__("os").environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
         torch.cuda.set_device(local)
-    mesh = torch.arange(world, dtype=torch.int64).reshape(mesh_shape)
+    mesh = torch.arange(world, dtype=torch.int64, device="cpu").reshape(mesh_shape)
     return DeviceMesh(device_type, mesh, mesh_dim_names=mesh_dim_names)
