@@ -78,6 +78,13 @@ def _signed(a, dts: list):
 _BY_SIGN = object()  # marks sign-class keys: never equal to a by-value key of the same op
 
 def dispatch(op, args, kwargs):
+    if debug._ACTIVE:  # CommDebugMode records which op caused each collective
+        with debug.comm_cause(op):
+            return _dispatch(op, args, kwargs)
+    return _dispatch(op, args, kwargs)
+
+
+def _dispatch(op, args, kwargs):
     # The hot path: one pass over the args builds the key and collects the DTensors. Specs are
     # interned, so hashing the key never calls back into Python.
     dts: list = []
@@ -152,8 +159,12 @@ class _Decision:
         if self.needs_redistribute:
             if debug._EXPLICIT:
                 _observe_rule_redistribute(self.op, dts, targets)
-            locals_ = [dt._local_tensor if tgt is None else redistribute_local(dt._local_tensor, dt._spec, tgt)
-                       for dt, tgt in zip(dts, targets)]
+            if debug._ACTIVE:
+                locals_ = _redistribute_attributed(self.op, dts, targets)
+            else:
+                locals_ = [dt._local_tensor if tgt is None else
+                           redistribute_local(dt._local_tensor, dt._spec, tgt)
+                           for dt, tgt in zip(dts, targets)]
         else:
             locals_ = [dt._local_tensor for dt in dts]
         positions = self.flat_positions
@@ -183,6 +194,19 @@ class _Decision:
             res = [o if s is None else DTensor(o, s) for o, s in zip(out, self.out_specs)]
             return tuple(res) if isinstance(out, tuple) else res
         return out  # non-tensor result (e.g. a Python scalar from item())
+
+
+def _redistribute_attributed(op, dts, targets) -> list:
+    """The inputs' local pieces as ``targets`` want them, each move labelled with its input's
+    index for CommDebugMode."""
+    locals_ = []
+    for j, (dt, tgt) in enumerate(zip(dts, targets)):
+        if tgt is None:
+            locals_.append(dt._local_tensor)
+            continue
+        with debug.comm_cause(op, j):
+            locals_.append(redistribute_local(dt._local_tensor, dt._spec, tgt))
+    return locals_
 
 
 def _observe_rule_redistribute(op, dts, targets):

@@ -59,9 +59,14 @@ def gather_whole(op, dts, targets, warn: bool) -> list:
                 f"({sum(m[3] for m in moves)} bytes/rank moved: {debug.describe_moves(moves)}). "
                 "Correct, but neither memory nor compute is shared; register a rule with "
                 "dtensor_lite.register_sharding to avoid it (warned once per op and placements)"))
-    return [dt._local_tensor if plan is None else
-            _with_strides(run_plan(dt._local_tensor, plan), dt._spec.stride)
-            for dt, plan in zip(dts, plans)]
+    wholes = []
+    for j, (dt, plan) in enumerate(zip(dts, plans)):
+        if plan is None:
+            wholes.append(dt._local_tensor)
+            continue
+        with debug.comm_cause(op, j):  # CommDebugMode: which input the fallback gathered
+            wholes.append(_with_strides(run_plan(dt._local_tensor, plan), dt._spec.stride))
+    return wholes
 
 
 def _with_strides(whole: torch.Tensor, stride) -> torch.Tensor:

@@ -19,23 +19,70 @@ from __future__ import annotations
 import threading
 import time
 from collections import defaultdict
+from typing import NamedTuple
 
 import torch
 
-__all__ = ["CommDebugMode", "ExposedCommMode", "ExplicitRedistributionContext",
+__all__ = ["CommDebugMode", "CommRecord", "comm_cause", "ExposedCommMode", "ExplicitRedistributionContext",
            "strict_redistribute", "FallbackRedistributeWarning", "ImplicitRedistributionError",
            "reset_fallback_warnings", "MemoryTracker"]
 
 _ACTIVE: list["CommDebugMode"] = []
 _TIMERS: list["ExposedCommMode"] = []
+_CAUSES: list[tuple[str, "int | str | None"]] = []  # innermost last: (op, input)
+UNATTRIBUTED = "(direct collective)"  # a collectives.* call made outside any labelled cause
+
+
+class comm_cause:
+    """Label the collectives issued inside it with ``op`` (and ``input``: an argument index or
+    name) for :class:`CommDebugMode`. The innermost label wins. The dispatcher labels each aten
+    op and the input it moves, ``DTensor.redistribute`` / ``full_tensor`` label themselves
+    ``"redistribute"``, FSDP its hooks; label your own strategy's collectives the same way::
+
+        >>> with comm_cause("my_ring_attention"):
+        ...     k = ring_shift(k, mesh, 0)
+    """
+
+    __slots__ = ("entry",)
+
+    def __init__(self, op, input: "int | str | None" = None):
+        self.entry = (str(op), input)
+
+    def __enter__(self):
+        _CAUSES.append(self.entry)
+        return self
+
+    def __exit__(self, *exc):
+        _CAUSES.pop()
+        return False
+
+
+def outermost_cause(label: str) -> "comm_cause | None":
+    """``comm_cause(label)`` unless a cause is already labelled (an op that redistributes as
+    part of its own work keeps the op's label), or None; only while a CommDebugMode records."""
+    if _ACTIVE and not _CAUSES:
+        return comm_cause(label)
+    return None
+
+
+class CommRecord(NamedTuple):
+    """One collective as CommDebugMode saw it."""
+    kind: str          # all_gather, reduce_scatter, all_reduce, all_to_all, ...
+    nbytes: int        # bytes sent per rank (the planner's cost model)
+    group_size: int
+    module: str        # fqn of the innermost module whose forward issued it, or "Global"
+    mesh_dim: str      # mesh dim name (or index)
+    op: str            # aten op, "redistribute", "fsdp.all_gather", ... (see comm_cause)
+    input: "int | str | None"  # the op's argument that had to move, if one did
 
 
 def _record(kind: str, nbytes: int, group_size: int, mesh_dim: str = "?",
             ranks: tuple[int, ...] = ()):
     """Called by the collectives layer for every collective it issues: its kind, bytes sent per
     rank, group size, the name of the mesh dim it ran over and that group's global ranks."""
+    op, input = _CAUSES[-1] if _CAUSES else (UNATTRIBUTED, None)
     for mode in _ACTIVE:
-        mode._add(kind, nbytes, group_size, mesh_dim, ranks)
+        mode._add(kind, nbytes, group_size, mesh_dim, ranks, op, input)
 
 
 def comm_debug_active() -> bool:
@@ -48,7 +95,10 @@ class CommDebugMode:
     ``get_comm_counts()`` -> ``{kind: count}``; ``get_comm_bytes()`` -> ``{kind: bytes}``;
     ``get_per_module_comm_counts()`` -> ``{module_fqn: {kind: count}}`` for collectives issued
     inside a module's forward (``"Global"`` holds everything);
-    ``get_comm_bytes_by_mesh_dim()`` -> ``{mesh dim name: {kind: bytes}}``.
+    ``get_comm_bytes_by_mesh_dim()`` -> ``{mesh dim name: {kind: bytes}}``;
+    ``get_comm_counts_by_op()`` -> ``{op: {kind: count}}``: which aten op (and, with
+    ``by_input=True``, which of its inputs) or which explicit ``redistribute`` / FSDP hook caused
+    each collective; ``records``: one :class:`CommRecord` per collective, in order.
     Kinds: ``all_gather``, ``reduce_scatter``, ``all_reduce``, ``all_to_all`` (uneven
     ``all_to_all_single`` too), ``broadcast``, ``scatter``, and the point-to-point ``ring_shift``
     and ``send_recv`` (bytes this rank sends).
@@ -60,6 +110,7 @@ class CommDebugMode:
         self.per_module_counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         # (kind, bytes, group size, module fqn, mesh dim name)
         self.calls: list[tuple[str, int, int, str, str]] = []
+        self.records: list[CommRecord] = []
         self.mesh_dim_ranks: dict[str, set[tuple[int, ...]]] = defaultdict(set)  # groups seen
         self._module_stack: list[str] = []
         self._names: dict[int, str] = {}
@@ -67,11 +118,12 @@ class CommDebugMode:
 
     # -- recording
     def _add(self, kind: str, nbytes: int, group_size: int, mesh_dim: str = "?",
-             ranks: tuple[int, ...] = ()):
+             ranks: tuple[int, ...] = (), op: str = UNATTRIBUTED, input=None):
         self.comm_counts[kind] += 1
         self.comm_bytes[kind] += nbytes
         fqn = self._module_stack[-1] if self._module_stack else "Global"
         self.calls.append((kind, nbytes, group_size, fqn, mesh_dim))
+        self.records.append(CommRecord(kind, nbytes, group_size, fqn, mesh_dim, op, input))
         self.mesh_dim_ranks[mesh_dim].add(ranks)
         self.per_module_counts["Global"][kind] += 1
         for name in dict.fromkeys(self._module_stack):  # every enclosing module, once
@@ -100,15 +152,38 @@ class CommDebugMode:
     def get_per_module_comm_counts(self) -> dict[str, dict[str, int]]:
         return {k: dict(v) for k, v in self.per_module_counts.items()}
 
+    def get_comm_counts_by_op(self, by_input: bool = False) -> dict:
+        """``{op: {kind: count}}``, or with ``by_input=True`` ``{(op, input): {kind: count}}``.
+
+        ``op`` is the aten op whose dispatch issued the collective (e.g.
+        ``"aten.mm.default"``; ``input`` the index of the argument its rule moved, None for
+        communication inside the op's own local computation), ``"redistribute"`` for an
+        explicit ``redistribute`` / ``full_tensor`` (``"redistribute.backward"`` for its
+        gradient), ``"from_local.backward"``, ``"fsdp.all_gather"`` / ``"fsdp.reduce_scatter"``
+        / ``"fsdp.all_reduce"``, ``"local_map(<fn>)"``, or a label of your own (``comm_cause``).
+        """
+        out: dict = defaultdict(lambda: defaultdict(int))
+        for r in self.records:
+            out[(r.op, r.input) if by_input else r.op][r.kind] += 1
+        return {k: dict(v) for k, v in out.items()}
+
     def table(self):
-        """A rich Table of counts and bytes per collective kind."""
+        """A rich Table of counts and bytes per collective kind and the op (and its input) that
+        caused them."""
         from rich.table import Table
         t = Table(title="collectives")
         t.add_column("collective")
+        t.add_column("caused by")
+        t.add_column("input", justify="right")
         t.add_column("count", justify="right")
         t.add_column("bytes/rank", justify="right")
-        for kind in sorted(self.comm_counts):
-            t.add_row(kind, str(self.comm_counts[kind]), f"{self.comm_bytes[kind]:,}")
+        rows: dict = defaultdict(lambda: [0, 0])
+        for r in self.records:
+            row = rows[(r.kind, r.op, "" if r.input is None else str(r.input))]
+            row[0] += 1
+            row[1] += r.nbytes
+        for (kind, op, input), (count, nbytes) in sorted(rows.items()):
+            t.add_row(kind, op, input, str(count), f"{nbytes:,}")
         return t
 
     # -- module attribution

@@ -8,6 +8,8 @@ transpose of the forward (the gradient of Shard->Replicate comes back as Partial
 """
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.distributed as dist
 
@@ -15,7 +17,7 @@ from .device_mesh import DeviceMesh
 from .placements import Partial, Placement, Replicate, Shard, _StridedShard
 from .redistribute import redistribute_local, redistribute_target
 from .spec import DTensorSpec, TensorMeta, contiguous_stride, normalize_placements
-from . import _caches, _dcp
+from . import _caches, _dcp, debug
 from ._compile import boundary, register_constants
 
 __all__ = ["DTensor"]
@@ -153,7 +155,8 @@ class DTensor(torch.Tensor):
         if local_tensor.device.type != mesh.device_type and local_tensor.device.type != "meta":
             local_tensor = local_tensor.to(mesh.device_type)
         if run_check:
-            shape = _checked_global_shape(local_tensor, mesh, placements, shape)
+            with debug.outermost_cause("from_local(run_check)") or _NO_LABEL:
+                shape = _checked_global_shape(local_tensor, mesh, placements, shape)
         if shape is None:
             shape = list(local_tensor.shape)
             for i, p in enumerate(placements):
@@ -208,6 +211,9 @@ class DTensor(torch.Tensor):
 register_constants(DeviceMesh, DTensorSpec, Shard, _StridedShard, Replicate, Partial)
 
 
+_NO_LABEL = contextlib.nullcontext()
+
+
 def _rebuild_dtensor(local, spec, requires_grad):
     return DTensor(local, spec, requires_grad=requires_grad)
 
@@ -245,6 +251,11 @@ class _FromLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
+        with debug.outermost_cause("from_local.backward") or _NO_LABEL:
+            return _FromLocal._backward(ctx, grad)
+
+    @staticmethod
+    def _backward(ctx, grad):
         grad = _as_grad_dtensor(grad, ctx.spec)
         target = _grad_target(ctx.spec, grad._spec)
         local_grad = redistribute_local(grad._local_tensor, grad._spec, target)
@@ -299,16 +310,19 @@ class _ToLocal(torch.autograd.Function):
 
 
 class _Redistribute(torch.autograd.Function):
+    # CommDebugMode labels: "redistribute" unless an op's dispatch is redistributing (its label)
     @staticmethod
     def forward(ctx, dt, dst, async_op):
         ctx.src, ctx.async_op = dt._spec, async_op
-        return _redistributed(dt, dst, async_op)
+        with debug.outermost_cause("redistribute") or _NO_LABEL:
+            return _redistributed(dt, dst, async_op)
 
     @staticmethod
     def backward(ctx, grad):
         grad = _as_grad_dtensor(grad, ctx.src)
         target = _grad_target(ctx.src, grad._spec)
-        return _redistributed(grad, target, ctx.async_op), None, None
+        with debug.outermost_cause("redistribute.backward") or _NO_LABEL:
+            return _redistributed(grad, target, ctx.async_op), None, None
 
 
 _DEFAULT_MESHES: dict = _caches.register({})  # device type -> 1-D world mesh

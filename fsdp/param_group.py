@@ -23,6 +23,7 @@ import enum
 import torch
 
 from dtensor_lite import collectives as C
+from dtensor_lite.debug import comm_cause
 
 from .param import FSDPParam
 from .streams import Streams
@@ -160,7 +161,7 @@ class ParamGroup:
             if self.state is ShardState.SHARDED_POST_FORWARD:
                 mesh, dim = info.post_forward(self._post_forward_n_at_reshard)
                 inp, layout = self._post_forward_buf, self._post_forward_layout
-                with self.streams.side("all_gather"):
+                with self.streams.side("all_gather"), comm_cause("fsdp.all_gather"):
                     out = inp.new_empty(inp.numel() * mesh.size(dim))
                     work = C.flat_all_gather(out, inp, mesh, dim,
                                              async_op=self.streams.async_collectives)
@@ -190,8 +191,9 @@ class ParamGroup:
                         view.copy_(t, non_blocking=True)
                 work = None
                 if world > 1 and layout.chunk:
-                    work = C.flat_all_gather(out, inp, info.mesh, info.shard_dim,
-                                             async_op=self.streams.async_collectives)
+                    with comm_cause("fsdp.all_gather"):
+                        work = C.flat_all_gather(out, inp, info.mesh, info.shard_dim,
+                                                 async_op=self.streams.async_collectives)
             self._pending_ag = _PendingAllGather(work, inp, out, layout, world, False)
 
     def wait_unshard(self, keep_post_forward_piece: bool = False):
@@ -303,8 +305,9 @@ class ParamGroup:
                     p.pack_grad(grads[k], inp2d[:, off:off + n])
                 out = torch.empty(pos, dtype=dtype, device=self.device)
                 if world > 1 and pos:
-                    work = C.flat_reduce_scatter(out, inp, info.mesh, info.shard_dim, "sum",
-                                                 async_op=self.streams.async_collectives)
+                    with comm_cause("fsdp.reduce_scatter"):
+                        work = C.flat_reduce_scatter(out, inp, info.mesh, info.shard_dim, "sum",
+                                                     async_op=self.streams.async_collectives)
                 else:
                     work = None
                     out.copy_(inp)
@@ -327,7 +330,8 @@ class ParamGroup:
                 if work is not None:
                     work.wait()
                 if info.replicate_dim is not None and info.replicate_size > 1 and out.numel():
-                    out = C.all_reduce(out, info.mesh, info.replicate_dim, "sum")
+                    with comm_cause("fsdp.all_reduce"):  # HSDP: across replicas
+                        out = C.all_reduce(out, info.mesh, info.replicate_dim, "sum")
                 if factor != 1:
                     out.div_(factor)
                 for p, off in zip(params, offsets):

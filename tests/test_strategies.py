@@ -10,7 +10,6 @@ import contextlib
 import copy
 
 import torch
-import torch.distributed as dist
 
 from dtensor_lite import Replicate, Shard, distribute_tensor, init_device_mesh
 from dtensor_lite.debug import CommDebugMode
@@ -117,3 +116,49 @@ def test_zero2_reduce_scatters_gradients_and_gathers_params_once():
 def test_zero1_all_reduces_gradients_and_gathers_params_once():
     counts = _train_zero(stage=1)
     assert counts == [{"all_reduce": 1, "all_gather": 1}] * STEPS, counts
+
+
+# ------------------------------------------------------------------ CommDebugMode by op
+@distributed(world_size=4)
+def test_comm_debug_mode_names_the_op_and_input_behind_each_collective():
+    """Each collective is attributed to what caused it: an aten op and the input its rule moved,
+    an op without a rule gathering an input, an explicit redistribute (and its backward), FSDP's
+    hooks. ``table()`` has a column for it."""
+    import io
+    import warnings
+
+    import rich.console
+
+    from dtensor_lite.debug import FallbackRedistributeWarning
+    from fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (4,))
+    torch.manual_seed(0)
+    a, b = torch.randn(7, 6), torch.randn(6, 5)
+    x = distribute_tensor(a, mesh, [Shard(0)]).requires_grad_()
+    w = distribute_tensor(b, mesh, [Shard(0)]).requires_grad_()
+    with CommDebugMode() as comm, warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackRedistributeWarning)
+        y = torch.mm(x, w)              # x's rows -> columns (all_to_all): y is Partial
+        whole = y.redistribute(mesh, [Replicate()])              # explicit: all_reduce
+        whole.sum().backward()                                   # nothing moves
+        torch.trace(x.detach()[:6])                              # no rule: input 0 gathered
+    torch.testing.assert_close(whole.to_local(), a @ b)
+    assert comm.get_comm_counts_by_op(by_input=True) == {
+        ("aten.mm.default", 0): {"all_to_all": 1},
+        ("redistribute", None): {"all_reduce": 1},
+        ("aten.trace.default", 0): {"all_gather": 1}}
+    ops = comm.get_comm_counts_by_op()
+    assert ops["aten.mm.default"] == {"all_to_all": 1}
+    assert [r.op for r in comm.records] == ["aten.mm.default", "redistribute", "aten.trace.default"]
+    assert comm.records[0].input == 0 and comm.records[0].kind == "all_to_all"
+    out = io.StringIO()
+    rich.console.Console(file=out, width=120).print(comm.table())
+    assert "caused by" in out.getvalue() and "aten.mm.default" in out.getvalue()
+
+    model = torch.nn.Linear(6, 4)
+    fully_shard(model, mesh=mesh)
+    with CommDebugMode() as comm:
+        model(torch.randn(3, 6)).sum().backward()
+    assert comm.get_comm_counts_by_op() == {"fsdp.all_gather": {"all_gather": 1},
+                                            "fsdp.reduce_scatter": {"reduce_scatter": 1}}
