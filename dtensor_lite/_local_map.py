@@ -17,6 +17,7 @@ from typing import Callable
 import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .debug import comm_cause
 from .dtensor import DTensor, _checked_global_shape
 from .placements import Partial, Placement, Replicate
 
@@ -46,9 +47,12 @@ def local_map(func: Callable | None = None, out_placements=None, in_placements=N
       A replicated input feeding outputs that are replicated on a dim and outputs that are not
       has no single layout: give its entry explicitly (an error says so).
     * ``out_shape``: the global shape of the output (or a tuple, one per flattened output, None
-      where not needed). Outputs without Shard need none (global = local). For a Shard output
-      without it, every rank exchanges its local shape (a few small collectives per call, the
-      same on every rank, uneven pieces welcome); pass it to communicate nothing.
+      where not needed). Outputs without Shard need none (global = local). Without it, a Shard
+      output takes the global shape of the first input with the same placements (no
+      communication; a rank whose piece does not fit raises, asking for ``out_shape``), and if
+      no input has them, every rank exchanges its local shape (a few small collectives, the
+      same on every rank, uneven pieces welcome). The choice depends on placements only, so
+      every rank takes the same branch.
     * ``device_mesh``: defaults to the first DTensor argument's mesh.
 
     Keyword arguments are passed through, their DTensors as local tensors (gradient layout
@@ -79,6 +83,7 @@ def local_map(func: Callable | None = None, out_placements=None, in_placements=N
             a for a in tree_flatten((flat_args, kwargs))[0] if isinstance(a, DTensor)).device_mesh
         declared_outs = _declared_output_placements(out_placements)
         track = torch.is_grad_enabled()
+        seen: list = []  # (index or name, DTensor as func saw it): what may imply output shapes
 
         def localize(k, arg, want=None, grad=None):
             if want is not None and tuple(arg.placements) != tuple(want):
@@ -90,6 +95,7 @@ def local_map(func: Callable | None = None, out_placements=None, in_placements=N
                 arg = arg.redistribute(mesh, want)
             if grad is None and track and arg.requires_grad:
                 grad = derive_grad_placements(arg.placements, declared_outs, f"input {k}")
+            seen.append((k, arg))
             return arg.to_local(grad_placements=grad)
 
         local_args = [localize(k, a, _entry(in_placements, k), _entry(in_grad_placements, k))
@@ -97,7 +103,7 @@ def local_map(func: Callable | None = None, out_placements=None, in_placements=N
         local_kwargs = {name: tree_map(lambda a: localize(name, a) if isinstance(a, DTensor)
                                        else a, value) for name, value in kwargs.items()}
         out = func(*tree_unflatten(local_args, args_tree), **local_kwargs)
-        return _wrap_outputs(out, out_placements, out_shape, mesh, _name(func))
+        return _wrap_outputs(out, out_placements, out_shape, mesh, _name(func), seen)
 
     return wrapped
 
@@ -171,7 +177,7 @@ def _per_output(spec, n: int, name: str, is_single) -> list:
     return list(spec)
 
 
-def _wrap_outputs(out, out_placements, out_shape, mesh, fname: str):
+def _wrap_outputs(out, out_placements, out_shape, mesh, fname: str, inputs):
     flat, tree = tree_flatten(out)
     if _is_placement_list(out_placements) and len(out_placements) != mesh.ndim \
             and len(out_placements) == len(flat):
@@ -181,23 +187,39 @@ def _wrap_outputs(out, out_placements, out_shape, mesh, fname: str):
                              lambda s: isinstance(s, Placement) or _is_placement_list(s))
     shapes = _per_output(out_shape, len(flat), "out_shape",
                          lambda s: len(s) == 0 or isinstance(s[0], int))
-    wrapped = [_wrap_one(o, p, s, mesh, f"local_map({fname}) output {j}")
+    wrapped = [_wrap_one(o, p, s, mesh, f"local_map({fname})", j, inputs)
                for j, (o, p, s) in enumerate(zip(flat, placements, shapes))]
     return tree_unflatten(wrapped, tree)
 
 
-def _wrap_one(o, placements, shape, mesh, what: str):
+def _wrap_one(o, placements, shape, mesh, fname: str, j: int, inputs):
+    what = f"{fname} output {j}"
     if isinstance(o, DTensor):
         raise TypeError(f"{what} is a DTensor; func must return plain local tensors, which "
                         "local_map wraps with out_placements")
     if placements is None or not isinstance(o, torch.Tensor):
         return o
     placements = (placements,) if isinstance(placements, Placement) else tuple(placements)
+    source = "out_shape="
     if shape is None and any(p.is_shard() for p in placements):
-        # Decided from the placements alone, so every rank enters the same exchange (a rank whose
-        # piece happens to match an input's must not skip it: the others would wait forever).
-        shape = _checked_global_shape(o, mesh, placements, None, check_replicas=False)
+        # Decided from global metadata only, so every rank takes the same branch (a rank whose
+        # piece happened to match an input's used to skip the exchange the others entered):
+        # an input laid out like the output implies its global shape; otherwise every rank
+        # exchanges its local shape.
+        like = next(((k, dt) for k, dt in inputs
+                     if dt.placements == placements and dt.ndim == o.ndim), None)
+        if like is not None:
+            shape, source = like[1].shape, f"input {like[0]} (laid out {list(placements)})"
+        else:
+            with comm_cause(fname, "out_shape"):
+                return DTensor.from_local(o, mesh, placements, shape=_checked_global_shape(
+                    o, mesh, placements, None, check_replicas=False))
+    if shape is None:
+        return DTensor.from_local(o, mesh, placements)  # no Shard: global = local
     try:
         return DTensor.from_local(o, mesh, placements, shape=shape)
-    except ValueError as e:
-        raise ValueError(f"{what}: {e} (check out_shape=)") from None
+    except ValueError:
+        raise ValueError(
+            f"{what}: this rank's piece {tuple(o.shape)} does not fit global shape "
+            f"{tuple(shape)} (from {source}) under placements {list(placements)}; pass the "
+            "output's global shape as out_shape=") from None

@@ -154,26 +154,39 @@ def _two_columns(a):
 
 
 @distributed(world_size=4)
-def test_output_shape_no_input_implies_is_gathered_on_every_rank():
+def test_output_shape_is_decided_from_placements_on_every_rank():
     """[4, 7] Shard(1) gives pieces of 2, 2, 2, 1 columns; the output has 2 columns on every rank,
-    so rank 3's piece differs from its input's while the others' match. Every rank must take the
-    same branch (this used to hang/abort gloo: only rank 3 entered the shape exchange)."""
+    so only rank 3's piece differs from its input's. Every rank must take the same branch: this
+    used to abort gloo (only rank 3 entered the shape exchange)."""
     mesh = init_device_mesh("cpu", (4,))
     x = distribute_tensor(torch.randn(4, 7), mesh, [Shard(1)])
     f = local_map(_two_columns, out_placements=[Shard(1)], in_placements=([Shard(1)],))
+    # the input laid out like the output implies (4, 7): nobody communicates, and the one rank
+    # whose piece cannot fit says what to pass
     with CommDebugMode() as comm:
-        out = f(x)
-    assert out.shape == (4, 8) and out.placements == (Shard(1),)
-    _close(out.full_tensor(), torch.ones(4, 8))
-    assert comm.get_total_counts() > 0  # the local shapes were exchanged (same count everywhere)
-    # out_shape= says it up front: no communication at all
+        if dist.get_rank() == 3:
+            with pytest.raises(ValueError, match=r"does not fit global shape \(4, 7\).*out_shape="):
+                f(x)
+        else:
+            assert f(x).shape == (4, 7)
+    assert comm.get_total_counts() == 0
+    # out_shape= says it up front: no communication at all, the right shape everywhere
     f = local_map(_two_columns, out_placements=[Shard(1)], in_placements=([Shard(1)],),
                   out_shape=(4, 8))
     with CommDebugMode() as comm:
         out = f(x)
     assert comm.get_total_counts() == 0
+    assert out.shape == (4, 8) and out.placements == (Shard(1),)
+    _close(out.full_tensor(), torch.ones(4, 8))
+    # no input laid out like the output: every rank exchanges its local shape
+    xr = x.redistribute(mesh, [Replicate()])
+    f = local_map(_two_columns, out_placements=[Shard(1)])
+    with CommDebugMode() as comm:
+        out = f(xr)
     assert out.shape == (4, 8)
     _close(out.full_tensor(), torch.ones(4, 8))
+    assert set(comm.get_comm_counts_by_op(by_input=True)) == {("local_map(_two_columns)",
+                                                              "out_shape")}
 
 
 def _same_shape(a):
@@ -216,7 +229,7 @@ def test_bad_output_pieces_raise_on_every_rank():
     x = distribute_tensor(torch.randn(8, 3), mesh, [Shard(0)])
     # pieces 1, 1, 1, 5 are not torch.chunk pieces of 8 rows: every rank learns it together
     with pytest.raises(ValueError, match="torch.chunk"):
-        local_map(_rank_rows, out_placements=[Shard(0)])(x)
+        local_map(_rank_rows, out_placements=[Shard(0)])(x.redistribute(mesh, [Replicate()]))
     # a wrong out_shape is caught on the ranks whose piece does not fit it
     f = local_map(_same_shape, out_placements=[Shard(0)], out_shape=(7, 3))
     if dist.get_rank() == 3:  # 7 rows are pieces of 2, 2, 2, 1; this rank holds 2
