@@ -22,6 +22,7 @@ import torch.nn as nn
 from dtensor_lite import DTensor, DeviceMesh, Shard, init_device_mesh
 
 from . import hooks
+from .optim_guard import mark_replaced
 from .mesh_info import MeshInfo
 from .param import FSDPParam
 from .param_group import ParamGroup, ShardState
@@ -84,6 +85,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     ignored = {id(p) for p in (ignored_params or ())}
 
     managed = _collect_params(modules, ignored)
+    qualified = {id(p): f"'{name}' of {type(top).__name__}" for top in modules
+                 for name, p in top.named_parameters(remove_duplicate=False)}
     tp_meshes = {p.device_mesh for p, _ in managed if isinstance(p, DTensor)}
     # plain parameters of a TP'd group join its TP mesh as Replicate (see FSDPParam)
     replicate_over = next(iter(tp_meshes)) if len(tp_meshes) == 1 else None
@@ -95,6 +98,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         fsdp_params.append(FSDPParam(param, owners, info, dim, device, offload,
                                      getattr(offload_policy, "pin_memory", False),
                                      replicate_over))
+        mark_replaced(param, qualified.get(id(param), where))
     group = None
     if fsdp_params:
         group = ParamGroup(fsdp_params, modules, info, mp_policy, offload, device)
@@ -163,6 +167,27 @@ class FSDPModule:
         group = self._get_fsdp_state().group
         if group is not None:
             group.reshard()
+
+    def reset_iter_state(self) -> None:
+        """After a forward or backward raised half-way: wait for FSDP's collectives in flight,
+        reshard every group and clear the iteration's bookkeeping; gradients of the failed
+        iteration not yet reduced into ``.grad`` are dropped (as are ``no_sync``-accumulated ones).
+        The next root forward does this by itself when it finds such a state; call it to free
+        the memory sooner. Call it on the root (the module whose forward runs first)::
+
+            >>> try:
+            ...     loss.backward()
+            ... except RuntimeError:
+            ...     model.reset_iter_state(); opt.zero_grad()
+        """
+        state = self._get_fsdp_state()
+        if state.ctx is None:
+            return  # never ran: nothing to reset
+        if state.ctx.root is not state:
+            raise RuntimeError(f"reset_iter_state: call it on the root FSDP module "
+                               f"({type(state.ctx.root.modules[0]).__name__}), not on "
+                               f"{type(self).__name__}")
+        state.ctx.reset_iteration()
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
         """``False``: backward accumulates unsharded gradients without communication (gradient

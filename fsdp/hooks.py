@@ -128,6 +128,8 @@ def _publish_for_forward(group, counted: bool = True):
         if counted:
             group.uses_pending += 1
             group.needs_reduce = True
+            if not group.root_ctx.in_backward:  # a recomputation counts anew in each backward
+                group.forward_uses += 1
     else:
         tensors = group.unsharded_aliases()
     group.publish(tensors)
@@ -154,6 +156,10 @@ def pre_forward(state: FSDPState, module: nn.Module, args, kwargs):
     if state.ctx is None:
         state.init_as_root()
     ctx = state.ctx
+    if id(module) in state.running or (state.is_root and ctx.in_backward):
+        # this module's last forward, or the last backward, raised half-way: start afresh
+        ctx.reset_iteration()
+    state.running.add(id(module))
     new_use = not state.to_run
     if new_use:
         state.to_run = {id(m) for m in state.modules}
@@ -195,6 +201,7 @@ def post_forward(state: FSDPState, module: nn.Module, args, output):
         _hook_grad_outputs(state, output)
         return _cast_output(state, output)
     state.to_run.discard(id(module))
+    state.running.discard(id(module))
     use_done = not state.to_run
     group = state.group
     if use_done and group is not None:

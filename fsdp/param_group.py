@@ -103,6 +103,12 @@ class PendingReduce:
     def __init__(self, group, buckets):
         self.group, self.buckets = group, buckets  # [(params, offsets, work, inp, out)]
 
+    def wait_and_discard(self):
+        """The reduce-scatter of an iteration that failed: let it finish, keep nothing."""
+        for _params, _offsets, work, _inp, _out in self.buckets:
+            if work is not None:
+                work.wait()
+
 
 class ParamGroup:
     def __init__(self, params: list[FSDPParam], modules, mesh_info, mp_policy, offload: bool,
@@ -130,6 +136,7 @@ class ParamGroup:
         self._post_forward_layout: _Layout | None = None
         self._post_forward_n_at_reshard: int | None = None
         self.uses_pending = 0              # forward uses whose backward has not run yet
+        self.forward_uses = 0              # forward uses with grad in this iteration's forward
         self.needs_reduce = False          # some use with grad ran since the last reduce
         self.grads: list[torch.Tensor | None] = [None] * len(self.trainable)
         self.prefetched_in_backward = False

@@ -38,6 +38,7 @@ class FSDPState:
         self.backward_prefetch: list[FSDPState] | None = None
         self.root_keeps_params = True         # cleared by an explicit set_reshard_after_forward
         self.to_run: set[int] = set()         # ids of this call's modules still to run this use
+        self.running: set[int] = set()        # ids of this call's modules inside their forward
         _ALL_STATES.add(self)
 
     # ----------------------------------------------------------------- lazy init
@@ -72,6 +73,7 @@ class RootContext:
         self.prev_forward_order: list[ParamGroup] = []
         self.post_forward_order: list[ParamGroup] = []
         self.in_backward = False
+        self.backward_ran = False  # a backward finished since the last forward (retain_graph)
         self.is_last_backward = True
         self.pending_reduce: PendingReduce | None = None
 
@@ -103,9 +105,39 @@ class RootContext:
             self.prev_forward_order = self.forward_order
         self.forward_order = []
         self.post_forward_order = []
+        self.backward_ran = False
+        for g in self.groups:
+            g.uses_pending = 0
+            g.forward_uses = 0
+            g.needs_reduce = False
+
+    def reset_iteration(self):
+        """Recover from a forward or backward that raised half-way (torch's ``reset_iter_state``).
+
+        Such an iteration never reached its post-forward / end-of-backward hooks, so it left
+        groups unsharded, uses pending, unsharded gradients and a reduce-scatter in flight, and
+        ``in_backward`` set -- which made the next forward look like a recomputation and its
+        backward skip the groups the failed one had not reached. Collectives already issued were
+        issued on every rank: they are waited for (their buffers must outlive them) and their
+        results dropped; the failed iteration's gradients not yet in ``.grad`` are lost."""
+        pending, self.pending_reduce = self.pending_reduce, None
+        if pending is not None:
+            pending.wait_and_discard()
+        for g in self.groups:
+            g.take_grads()
+            g.prefetched_in_backward = False
+            if g.state is not ShardState.SHARDED or g._pending_ag is not None:
+                g.reshard()
+        for st in self.states:
+            st.to_run.clear()
+            st.running.clear()
+        self.in_backward = False
         for g in self.groups:
             g.uses_pending = 0
             g.needs_reduce = False
+        # a backward retried on the same (retained) graph re-arms every forward use; a new
+        # forward starts a new iteration anyway
+        self.backward_ran = True
 
     def end_forward_without_backward(self):
         """Root post-forward when nothing requires grad: no backward will reshard, so do it now."""
@@ -121,6 +153,12 @@ class RootContext:
         if self.in_backward:
             return
         self.in_backward = True
+        if self.backward_ran:
+            # another backward through the same forward (retain_graph=True): its gradients are
+            # reduced and added to .grad like the first one's, so every use is pending again
+            for g in self.groups:
+                g.uses_pending = g.forward_uses
+                g.needs_reduce = g.forward_uses > 0
         torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
 
     def finish_group(self, group: ParamGroup):
@@ -161,6 +199,7 @@ class RootContext:
             if g.state is not ShardState.SHARDED and g.reshard_after_backward:
                 g.reshard()
         self.in_backward = False
+        self.backward_ran = True
         from .hooks import _OBSERVERS, _notify  # hooks imports this module
         if _OBSERVERS:
             _notify("end_of_backward", self.root)

@@ -4,6 +4,7 @@ Each test provokes one fault (a NaN on one shard, a backward run twice or retrie
 exception, an optimizer holding replaced parameters, ranks' generators diverging) in real gloo
 processes and checks the result against plain single-process torch, or a clear error on every rank.
 """
+import pytest
 import torch
 
 from dtensor_lite import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
@@ -59,3 +60,165 @@ def test_nan_on_one_shard_propagates_through_max_and_min():
     for dtype in (torch.float64, torch.bfloat16, torch.float16):
         p = DTensor.from_local(local.to(dtype), mesh, [Partial("max")])
         torch.testing.assert_close(p.full_tensor(), full.amax(0).to(dtype), equal_nan=True)
+
+
+# ------------------------------------------------------------------ fsdp: backward twice, retried
+
+def _mlp_pair(mesh, n_layers=3, dim=6):
+    """A plain reference MLP and a fully_shard'ed copy (each layer its own group, then the root)."""
+    import copy
+
+    from fsdp import fully_shard
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(dim, dim), torch.nn.Tanh())
+                                for _ in range(n_layers)], torch.nn.Linear(dim, 1))
+    model = copy.deepcopy(ref)
+    for layer in model[:n_layers]:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return ref, model
+
+
+def _batch(rows=4, dim=6):
+    """The global batch (same on every rank) and this rank's rows of it."""
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    x = torch.randn(rows * world, dim, generator=torch.Generator().manual_seed(7))
+    return x, x[rank * rows:(rank + 1) * rows]
+
+
+def _assert_grads_match(ref, model):
+    for (name, r), p in zip(ref.named_parameters(), model.parameters()):
+        assert p.grad is not None, f"{name}: no gradient"
+        torch.testing.assert_close(p.grad.full_tensor(), r.grad, msg=lambda m: f"{name}: {m}")
+
+
+def _assert_params_match(ref, model):
+    for (name, r), p in zip(ref.named_parameters(), model.parameters()):
+        torch.testing.assert_close(p.full_tensor(), r.detach(), msg=lambda m: f"{name}: {m}")
+
+
+@distributed(world_size=2, timeout=60)
+def test_fsdp_backward_twice_with_retain_graph_accumulates():
+    mesh = init_device_mesh("cpu", (2,))
+    ref, model = _mlp_pair(mesh)
+    x, mine = _batch()
+    ref_loss = ref(x).square().mean()
+    loss = model(mine).square().mean()
+    for _ in range(2):  # torch: the second backward adds the same gradients again (2x)
+        ref_loss.backward(retain_graph=True)
+        loss.backward(retain_graph=True)
+    _assert_grads_match(ref, model)
+    # and the next iteration starts clean: one ordinary backward after zero_grad
+    ref.zero_grad()
+    model.zero_grad()
+    ref(x).square().mean().backward()
+    model(mine).square().mean().backward()
+    _assert_grads_match(ref, model)
+
+
+class _RaiseOnce:
+    """A tensor hook that raises the first time a backward reaches it."""
+
+    def __init__(self):
+        self.armed = True
+
+    def __call__(self, grad):
+        if self.armed:
+            self.armed = False
+            raise RuntimeError("injected backward failure")
+        return grad
+
+
+def _forward_with_fault(net, x):
+    """The loss, with a backward fault between the second and the third layer."""
+    hook = _RaiseOnce()
+
+    def arm(module, args, out):
+        out.register_hook(hook)
+    handle = net[1].register_forward_hook(arm)
+    try:
+        return net(x).square().mean()
+    finally:
+        handle.remove()
+
+
+@distributed(world_size=2, timeout=60)
+def test_fsdp_backward_retried_after_an_exception():
+    mesh = init_device_mesh("cpu", (2,))
+    ref, model = _mlp_pair(mesh)
+    x, mine = _batch()
+    ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for net, inp in ((ref, x), (model, mine)):
+        with pytest.raises(RuntimeError, match="injected backward failure"):
+            _forward_with_fault(net, inp).backward()
+    # the retry: gradients of the failed backward dropped, a fresh forward / backward, a step
+    for net, inp, o in ((ref, x, ref_opt), (model, mine, opt)):
+        o.zero_grad()
+        net(inp).square().mean().backward()
+    _assert_grads_match(ref, model)
+    ref_opt.step()
+    opt.step()
+    _assert_params_match(ref, model)
+    # a backward retried on the same retained graph, after an explicit reset
+    for net, inp, o in ((ref, x, ref_opt), (model, mine, opt)):
+        loss = _forward_with_fault(net, inp)
+        with pytest.raises(RuntimeError, match="injected backward failure"):
+            loss.backward(retain_graph=True)
+        if net is model:
+            model.reset_iter_state()
+        o.zero_grad()
+        loss.backward()
+    _assert_grads_match(ref, model)
+    # a forward that raises half-way (in the third layer), recovered explicitly as in torch
+    for net in (ref, model):
+        handle = net[2].register_forward_pre_hook(_raise_in_forward)
+        with pytest.raises(RuntimeError, match="injected forward failure"):
+            net(mine)
+        handle.remove()
+    model.reset_iter_state()
+    # two more ordinary steps stay in step with torch
+    for _ in range(2):
+        for net, inp, o in ((ref, x, ref_opt), (model, mine, opt)):
+            o.zero_grad()
+            net(inp).square().mean().backward()
+            o.step()
+        _assert_params_match(ref, model)
+
+
+def _raise_in_forward(module, args):
+    raise RuntimeError("injected forward failure")
+
+
+# ------------------------------------------------------------------ fsdp: a stale optimizer
+
+@distributed(world_size=2, timeout=60)
+def test_optimizer_built_before_fully_shard_is_refused():
+    import copy
+
+    from fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+    ref = copy.deepcopy(model)
+    stale = torch.optim.AdamW(model.parameters(), lr=0.1)
+    fully_shard(model[0], mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model(torch.randn(3, 4)).sum().backward()
+    with pytest.raises(RuntimeError, match=r"'weight' of Linear, shape \(4, 4\).*"
+                                           r"Build the optimizer after fully_shard"):
+        stale.step()
+    # built after fully_shard: steps, and matches torch (the check is cached after one scan)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=0.1)
+    x = torch.randn(3 * 2, 4, generator=torch.Generator().manual_seed(3))
+    rank = torch.distributed.get_rank()
+    for _ in range(2):
+        for net, inp, o in ((ref, x, ref_opt), (model, x[rank * 3:rank * 3 + 3], opt)):
+            o.zero_grad()
+            net(inp).square().mean().backward()
+            o.step()
+        _assert_params_match(ref, model)
+    # an optimizer over another module's (unreplaced) parameters is untouched by the check
+    other = torch.nn.Linear(2, 2)
+    torch.optim.SGD(other.parameters(), lr=0.1).step()
