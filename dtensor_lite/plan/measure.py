@@ -236,8 +236,8 @@ class _SamplingComm(CommDebugMode):
         super().__init__()
         self._meter = meter
 
-    def _add(self, kind, nbytes, group_size, mesh_dim="?", ranks=()):
-        super()._add(kind, nbytes, group_size, mesh_dim, ranks)
+    def _add(self, *args, **kwargs):
+        super()._add(*args, **kwargs)
         self._meter.sample()
 
 
