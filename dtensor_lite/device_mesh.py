@@ -67,9 +67,10 @@ class _GroupCache:
             group = default  # the whole world: no new group needed
         else:
             my_rank = dist.get_rank()
+            timeout = default_group_timeout()
             group = None
             for row in rows:  # new_group is collective: every rank creates every row's group
-                g = dist.new_group(sorted(row))
+                g = dist.new_group(sorted(row), timeout=timeout)
                 if my_rank in row:
                     group = g
         self._groups[rows] = group
@@ -77,6 +78,25 @@ class _GroupCache:
 
 
 _GROUPS = _GroupCache()
+
+
+def default_group_timeout():
+    """The timeout the user gave ``init_process_group`` (None if the backend does not say).
+
+    ``new_group`` without ``timeout=`` takes c10d's backend default (30 minutes), not the default
+    group's: a rank left alone in a mesh-dim collective would wait half an hour instead of the
+    user's ``timeout=``. Every group we create passes this on.
+    """
+    default = dist.distributed_c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            backend = default._get_backend(torch.device(device))
+        except RuntimeError:  # no backend for this device type
+            continue
+        timeout = getattr(getattr(backend, "options", None), "_timeout", None)
+        if timeout is not None:
+            return timeout
+    return None
 
 
 def _require_initialized(what: str):

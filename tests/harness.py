@@ -84,12 +84,14 @@ _SHUTDOWN = pickle.dumps(None)
 _worker_state: dict = {}  # set only inside worker processes: rank, world_size, store, generation
 
 
-def reinit_process_group() -> None:
+def reinit_process_group(timeout: datetime.timedelta = COLLECTIVE_TIMEOUT) -> None:
     """Create a fresh default process group on this rank (call it on every rank).
 
     For tests of destroy + init in one process: ``dist.destroy_process_group()`` then
     ``reinit_process_group()``. Destroys the current default group first if there still is one.
     Each call uses a new key prefix on the pool's store, so no state leaks from the old group.
+    Fault tests pass a short ``timeout`` (a rank left alone in a collective raises after it) and
+    call ``reinit_process_group()`` again at the end to restore the pool's usual group.
     """
     if not _worker_state:
         raise RuntimeError("reinit_process_group() only works inside a tests.harness worker")
@@ -101,7 +103,7 @@ def reinit_process_group() -> None:
         store=dist.PrefixStore(f"pg{_worker_state['generation']}/", _worker_state["store"]),
         rank=_worker_state["rank"],
         world_size=_worker_state["world_size"],
-        timeout=COLLECTIVE_TIMEOUT,
+        timeout=timeout,
     )
 
 

@@ -3,12 +3,24 @@
 Each test provokes one fault (a NaN on one shard, a backward run twice or retried after an
 exception, an optimizer holding replaced parameters, ranks' generators diverging) in real gloo
 processes and checks the result against plain single-process torch, or a clear error on every rank.
+
+Tests that leave a rank alone in a collective rebuild the default group with a timeout of a few
+seconds (``_short_timeout_group``, restored afterwards); the ranks that did not block wait for the
+blocked one on the store, not in a collective, so only its timeout can release it (a peer tearing
+its group down early would release it with "connection closed" and hide a missing timeout). They
+assert what every rank raised and how long it waited.
 """
+import contextlib
+import datetime
+import time
+
 import pytest
 import torch
+import torch.distributed as dist
 
 from dtensor_lite import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
-from tests.harness import distributed
+from dtensor_lite import collectives as C
+from tests.harness import distributed, reinit_process_group
 
 R = Replicate()
 NAN = float("nan")
@@ -222,3 +234,60 @@ def test_optimizer_built_before_fully_shard_is_refused():
     # an optimizer over another module's (unreplaced) parameters is untouched by the check
     other = torch.nn.Linear(2, 2)
     torch.optim.SGD(other.parameters(), lr=0.1).step()
+
+
+# ============================================================================ timeouts of groups
+PG_TIMEOUT = 5.0  # seconds: the process-group timeout of the fault tests
+# how much later than the timeout a blocked rank may raise: gloo notices at its next poll, and the
+# machine running the tests may be busy
+MARGIN = 10.0
+
+
+@contextlib.contextmanager
+def _short_timeout_group(seconds: float = PG_TIMEOUT):
+    reinit_process_group(timeout=datetime.timedelta(seconds=seconds))
+    try:
+        yield
+    finally:
+        reinit_process_group()
+
+
+def _outcome(fn, *args):
+    """(exception type name or None, message, seconds) of calling ``fn``."""
+    start = time.monotonic()
+    try:
+        fn(*args)
+    except Exception as exc:  # noqa: BLE001 -- the test asserts which one
+        return type(exc).__name__, str(exc), time.monotonic() - start
+    return None, "", time.monotonic() - start
+
+
+def _release_after(blocked_ranks, key: str):
+    """The blocked ranks announce that they are out; everyone waits for that on the store."""
+    store = dist.distributed_c10d._get_default_store()
+    if dist.get_rank() in blocked_ranks:
+        store.set(f"{key}/{dist.get_rank()}", "out")
+    store.wait([f"{key}/{r}" for r in blocked_ranks], datetime.timedelta(seconds=60))
+
+
+@distributed(world_size=4, timeout=120)
+def test_mesh_dim_groups_take_the_default_timeout():
+    """Mesh dims are new process groups: a rank left alone in one must raise after the user's
+    ``timeout=``, not c10d's 30-minute default for new groups. Rank 3 skips its collectives;
+    rank 2 waits for it in the "tp" dim of a 2x2 mesh, rank 1 in the "dp" dim of a mesh unflattened
+    from a 1-D one (both at once, so the test waits for one timeout)."""
+    with _short_timeout_group():
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        unflattened = init_device_mesh("cpu", (4,), mesh_dim_names=("world",)).unflatten(
+            0, (2, 2), ("dp", "tp"))
+        rank = dist.get_rank()
+        got = None, "", 0.0
+        if rank == 2:  # tp row [2, 3]
+            got = _outcome(C.all_reduce, torch.ones(3), mesh["tp"], 0, "sum")
+        elif rank == 1:  # dp row [1, 3]
+            got = _outcome(C.all_reduce, torch.ones(3), unflattened["dp"], 0, "sum")
+        _release_after([1, 2], "lonely")
+        kind, message, waited = got
+        if rank in (1, 2):
+            assert kind == "RuntimeError" and "imed out" in message, got
+            assert PG_TIMEOUT - 1 <= waited <= PG_TIMEOUT + MARGIN, got
