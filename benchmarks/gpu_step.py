@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import os
 import statistics
@@ -84,6 +85,9 @@ def _build(variant: str, cfg: LlamaConfig, device: str, ac: str, compile_blocks:
 
 def run_variant(variant: str, cfg: LlamaConfig, args, ac: str, compile_blocks: bool) -> dict:
     device = args.device
+    # the previous variant's model sits in reference cycles (FSDP hooks): collect it now, or a
+    # collection during this variant's build would lower the baseline under its feet
+    gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
