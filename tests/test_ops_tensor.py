@@ -304,6 +304,45 @@ def test_index_put_writes():
 
 # ------------------------------------------------------------------ copies, fills, constructors
 @distributed(world_size=4)
+def test_new_factories_shaped_like_a_sharded_input_keep_its_layout():
+    """x.new_empty_strided(x.shape, x.stride()) and friends (a strategy author's buffer "like the
+    input"): the same global size keeps the input's Shard placements (uneven pieces, transposed
+    strides too) and communicates nothing; Partial stays Partial only where the values allow it
+    (empty, zeros); another size is replicated."""
+    mesh = _mesh2d()
+    x = torch.randn(7, 5)
+    xt = x.t()  # a transposed global layout: strides (1, 5)
+    for pl in ([Shard(0), Shard(1)], [Shard(1), R], [R, Shard(0)], [Partial(), Shard(0)]):
+        for src in (x, xt):
+            dx = distribute_tensor(src.contiguous(), mesh, pl) if src is x else \
+                distribute_tensor(x, mesh, pl).t()
+            keep = tuple(p for p in dx.placements)
+            with CommDebugMode() as comm:
+                outs = {"empty_strided": dx.new_empty_strided(dx.shape, dx.stride()),
+                        "empty": dx.new_empty(dx.shape), "zeros": dx.new_zeros(dx.shape),
+                        "ones": dx.new_ones(dx.shape), "full": dx.new_full(dx.shape, 3.0)}
+            assert comm.get_total_counts() == 0
+            for name, out in outs.items():
+                partial_ok = name in ("empty_strided", "empty", "zeros")
+                want = tuple(R if p.is_partial() and not partial_ok else p for p in keep)
+                assert out.placements == want, (name, pl, out.placements)
+                assert out.shape == src.shape and out.to_local().shape == \
+                    out._spec.local_shape()
+            assert outs["empty_strided"].stride() == dx.stride()
+            local = outs["empty_strided"].to_local()
+            if src is xt and local.numel() > 1:  # pieces transposed like the global layout
+                assert local.stride() == (1, local.shape[0]), local.stride()
+            close(outs["zeros"].full_tensor(), torch.zeros(src.shape))
+            close(outs["ones"].full_tensor(), torch.ones(src.shape))
+            close(outs["full"].full_tensor(), torch.full(src.shape, 3.0))
+            buf = outs["empty_strided"]
+            buf.copy_(dx)  # filled like the input: the values are the input's
+            close(buf.full_tensor(), src)
+        other = distribute_tensor(x, mesh, pl).new_zeros(3, 2)
+        assert other.placements == (R, R)
+
+
+@distributed(world_size=4)
 def test_copies_fills_and_constructors():
     mesh = _mesh2d()
     x, row = torch.randn(5, 3), torch.randn(3)

@@ -76,11 +76,47 @@ def _like(call):
     return FullStrategy(outs=[outs], ins=[None], out_orders=[spec.shard_order])
 
 
+# new_* factories whose values Partial can carry as they are: uninitialised memory (the next write
+# decides, e.g. autograd's new_empty_strided + copy_ of a Partial gradient) and zeros (0 is a
+# valid Partial piece for every reduction). ones / full would be multiplied by the reduction.
+_NEW_KEEPS_PARTIAL = {aten.new_empty.default, aten.new_empty_strided.default,
+                      aten.new_zeros.default}
+
+
 @register_rule(aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full,
                aten.new_empty_strided)
 def _new(call):
-    # sizes are global: every rank builds the whole tensor (no data moves; the input is unused)
-    return FullStrategy(outs=[(R,) * call.mesh.ndim], ins=[None] * len(call.inputs))
+    # Sizes are global. A buffer shaped like the input is laid out like it (each rank builds its
+    # own piece: a strategy author's `x.new_empty_strided(x.shape, x.stride())` stays sharded);
+    # any other size is built whole on every rank. No data moves; the input's values are unused.
+    spec, size = call.inputs[0], tuple(call.args[1])
+    stride = tuple(call.args[2]) if call.op is aten.new_empty_strided.default else None
+    if size != tuple(spec.shape) or spec.is_replicated():
+        return FullStrategy(outs=[(R,) * call.mesh.ndim], ins=[None] * len(call.inputs))
+    outs = tuple(p if p.is_shard() or (p.is_partial() and call.op in _NEW_KEEPS_PARTIAL) else R
+                 for p in spec.placements)
+    out = DTensorSpec(call.mesh, outs, TensorMeta(torch.Size(size), stride or spec.stride,
+                                                  spec.dtype), spec.shard_order)
+    local_size = out.local_shape()
+
+    def local_new(x, _size, *rest, **kwargs):
+        if stride is None:
+            return call.op(x, local_size, *rest, **kwargs)
+        return call.op(x, local_size, _strides_in_order(stride, local_size), *rest[1:], **kwargs)
+
+    return FullStrategy(outs=[outs], ins=[None] * len(call.inputs), local_fn=local_new,
+                        out_orders=[spec.shard_order])
+
+
+def _strides_in_order(global_stride, local_size) -> tuple[int, ...]:
+    """Dense strides for ``local_size`` with the dims in the memory order of ``global_stride``
+    (a transposed global layout gives transposed local pieces)."""
+    order = sorted(range(len(local_size)), key=lambda d: (global_stride[d], -d))  # innermost first
+    stride, acc = [0] * len(local_size), 1
+    for d in order:
+        stride[d] = acc
+        acc *= max(local_size[d], 1)
+    return tuple(stride)
 
 
 @register_rule(aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default)
