@@ -24,7 +24,8 @@ shows, per rank, the step time, the communication the step waited for (exposed) 
 collectives were in flight, and peak memory.
 
 Checkpoints use ``torch.distributed.checkpoint`` on the sharded state dicts: ``--save DIR``
-writes one at the end, ``--resume DIR`` continues from one, on any mesh.
+writes one at the end (aside, then renamed into place once every rank has written, so a killed
+save leaves the previous checkpoint intact), ``--resume DIR`` continues from one, on any mesh.
 Runs on CPU processes (gloo) by default, on GPUs (nccl) when CUDA is available.
 ``--dry-run`` trains nothing: in one plain process it builds the model on the meta device,
 parallelises it on the whole ``--mesh`` (any size) over a fake process group and reports one
@@ -46,11 +47,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.distributed.checkpoint as dcp
 
 if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import dtensor_lite.checkpoint as dcp  # noqa: E402  (DCP, published only once complete)
 from dtensor_lite import DTensor, Partial, init_device_mesh  # noqa: E402
 from dtensor_lite.debug import ExposedCommMode, MemoryTracker  # noqa: E402
 from dtensor_lite.plan import dry_run  # noqa: E402
@@ -197,13 +198,17 @@ def train_step(model, opt, inputs, targets, loss_parallel_on: bool) -> torch.Ten
 
 # ============================================================================ checkpoints
 def save_checkpoint(path: str, model, opt, step: int):
+    """Write a DCP checkpoint of ``model`` / ``opt`` at ``step`` to ``path``: written aside and
+    renamed into place once every rank is done, so a save killed part-way leaves the previous
+    checkpoint at ``path`` untouched (see dtensor_lite/checkpoint.py)."""
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd, "step": torch.tensor(step)},
              checkpoint_id=path)
 
 
 def load_checkpoint(path: str, model, opt) -> int:
-    """Load ``path`` (written on any mesh) into ``model`` / ``opt``; returns the step to run."""
+    """Load ``path`` (written on any mesh) into ``model`` / ``opt``; returns the step to run.
+    An incomplete or truncated checkpoint raises ``CheckpointError`` on every rank."""
     model_sd, optim_sd = get_state_dict(model, opt)   # templates with this mesh's layouts
     state = {"model": model_sd, "optim": optim_sd, "step": torch.tensor(0)}
     dcp.load(state, checkpoint_id=path)

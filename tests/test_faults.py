@@ -12,15 +12,19 @@ assert what every rank raised and how long it waited.
 """
 import contextlib
 import datetime
+import functools
+import os
 import time
 
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
-from dtensor_lite import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from dtensor_lite import (DTensor, Partial, Replicate, Shard, checkpoint, distribute_tensor,
+                          init_device_mesh)
 from dtensor_lite import collectives as C
-from tests.harness import distributed, reinit_process_group
+from tests.harness import distributed, reinit_process_group, run_distributed
 
 R = Replicate()
 NAN = float("nan")
@@ -236,7 +240,7 @@ def test_optimizer_built_before_fully_shard_is_refused():
     torch.optim.SGD(other.parameters(), lr=0.1).step()
 
 
-# ============================================================================ timeouts of groups
+# ============================================================================ timeouts, checkpoints
 PG_TIMEOUT = 5.0  # seconds: the process-group timeout of the fault tests
 # how much later than the timeout a blocked rank may raise: gloo notices at its next poll, and the
 # machine running the tests may be busy
@@ -257,7 +261,7 @@ def _outcome(fn, *args):
     start = time.monotonic()
     try:
         fn(*args)
-    except Exception as exc:  # noqa: BLE001 -- the test asserts which one
+    except (Exception, CheckpointException) as exc:  # DCP's is a BaseException
         return type(exc).__name__, str(exc), time.monotonic() - start
     return None, "", time.monotonic() - start
 
@@ -270,6 +274,7 @@ def _release_after(blocked_ranks, key: str):
     store.wait([f"{key}/{r}" for r in blocked_ranks], datetime.timedelta(seconds=60))
 
 
+# ----------------------------------------------------------------------------- timeouts of groups
 @distributed(world_size=4, timeout=120)
 def test_mesh_dim_groups_take_the_default_timeout():
     """Mesh dims are new process groups: a rank left alone in one must raise after the user's
@@ -291,3 +296,135 @@ def test_mesh_dim_groups_take_the_default_timeout():
         if rank in (1, 2):
             assert kind == "RuntimeError" and "imed out" in message, got
             assert PG_TIMEOUT - 1 <= waited <= PG_TIMEOUT + MARGIN, got
+
+
+# ----------------------------------------------------------------------------- checkpoints
+ROWS = 5  # over 2 ranks: rank 0 saves rows 0-2, rank 1 rows 3-4
+
+
+def _rows(value: float) -> dict:
+    mesh = init_device_mesh("cpu", (2,))
+    return {"w": distribute_tensor(torch.full((ROWS, 2), float(value)), mesh, [Shard(0)])}
+
+
+def _loaded_rows(path: str) -> list:
+    state = _rows(0)
+    checkpoint.load(state, checkpoint_id=path)
+    return state["w"].full_tensor()[:, 0].tolist()
+
+
+@contextlib.contextmanager
+def _killed_before_writing(rank: int):
+    """Rank ``rank`` dies before its checkpoint file reaches the disk while the others write
+    theirs (what the others see of a killed rank, minus the wait for the timeout)."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    write_data = FileSystemWriter.write_data
+
+    def dying(self, plan, planner):
+        raise RuntimeError(f"simulated kill of rank {rank} before it wrote its checkpoint file")
+
+    if dist.get_rank() == rank:
+        FileSystemWriter.write_data = dying
+    try:
+        yield
+    finally:
+        FileSystemWriter.write_data = write_data
+
+
+def test_checkpoint_killed_save_keeps_the_previous_one(tmp_path):
+    run_distributed(2, _killed_save, str(tmp_path / "ckpt"), timeout=120)
+
+
+def _killed_save(path):
+    """A save over checkpoint A (all ones) that dies on rank 1 must raise on every rank and leave
+    A loadable as it was; plain dcp.save loads such a directory as rows [2, 2, 2, 1, 1]."""
+    with _short_timeout_group():
+        checkpoint.save(_rows(1), checkpoint_id=path)
+        with _killed_before_writing(1):
+            kind, message, waited = _outcome(functools.partial(checkpoint.save, checkpoint_id=path), _rows(2))
+        assert kind == "CheckpointError", (kind, message)
+        assert f"saving checkpoint {path} failed" in message and "simulated kill" in message
+        assert f"{path} is as it was before this save" in message
+        assert waited < PG_TIMEOUT  # the failure travels with DCP's own gather: no timeout wait
+        assert _loaded_rows(path) == [1.0] * ROWS
+        checkpoint.save(_rows(2), checkpoint_id=path)  # the next save cleans up and publishes
+        assert _loaded_rows(path) == [2.0] * ROWS
+        dist.barrier()
+        assert not os.path.exists(path + ".saving") and not os.path.exists(path + ".old")
+
+
+def _train_llama_model(value: float):
+    mesh = init_device_mesh("cpu", (2,))
+    model = torch.nn.Linear(2, ROWS, bias=False)
+    model.weight = torch.nn.Parameter(distribute_tensor(torch.full((ROWS, 2), value), mesh,
+                                                        [Shard(0)]))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def test_train_llama_killed_save_keeps_the_previous_checkpoint(tmp_path):
+    run_distributed(2, _train_llama_killed_save, str(tmp_path / "ckpt"), timeout=120)
+
+
+def _train_llama_killed_save(path):
+    """examples/train_llama.py --save / --resume: the same through its checkpoint functions."""
+    from examples.train_llama import load_checkpoint, save_checkpoint
+
+    with _short_timeout_group():
+        save_checkpoint(path, *_train_llama_model(1.0), step=7)
+        with _killed_before_writing(1):
+            kind, message, _ = _outcome(save_checkpoint, path, *_train_llama_model(2.0), 9)
+        assert kind is not None and "simulated kill" in message, (kind, message)
+        model, opt = _train_llama_model(0.0)
+        assert load_checkpoint(path, model, opt) == 7
+        assert model.weight.full_tensor()[:, 0].tolist() == [1.0] * ROWS
+
+
+def _damage(path: str, how: str) -> None:
+    if how == "truncate data":
+        file = os.path.join(path, "__1_0.distcp")
+        os.truncate(file, os.path.getsize(file) - 3)
+    elif how == "truncate metadata":
+        os.truncate(os.path.join(path, ".metadata"), 10)
+    elif how == "no metadata":
+        os.remove(os.path.join(path, ".metadata"))
+        os.remove(os.path.join(path, ".complete"))
+    elif how == "removed":
+        os.rename(path, path + ".saving")
+
+
+# (how, written by plain dcp.save) -> what every rank's error must say; ours are checked against
+# the sizes in the .complete marker, plain ones against the byte ranges .metadata points into
+DAMAGES = {
+    ("truncate data", False): ["damaged checkpoint", "__1_0.distcp has", "bytes but was saved with"],
+    ("truncate data", True): ["damaged checkpoint", "__1_0.distcp has", "bytes but .metadata needs"],
+    ("truncate metadata", False): ["damaged checkpoint", ".metadata has 10 bytes but was saved"],
+    ("truncate metadata", True): ["damaged checkpoint", ".metadata cannot be read", "truncated"],
+    ("no metadata", False): ["incomplete checkpoint", "neither .metadata nor the .complete marker"],
+    ("removed", False): ["no checkpoint at", "does not exist", ".saving holds the files of a save"],
+}
+
+
+def test_checkpoint_incomplete_or_truncated_raises_on_every_rank(tmp_path):
+    run_distributed(2, _damaged_loads, str(tmp_path), timeout=120)
+
+
+def _damaged_loads(path):
+    """Loading a damaged checkpoint raises CheckpointError naming the directory and the file on
+    every rank, before any data is read (plain dcp.load: a bare EOFError / UnpicklingError)."""
+    import torch.distributed.checkpoint as dcp
+
+    with _short_timeout_group():
+        for i, ((how, plain), phrases) in enumerate(DAMAGES.items()):
+            where = f"{path}/{i}"
+            if plain:
+                dcp.save(_rows(1), checkpoint_id=where)
+            else:
+                checkpoint.save(_rows(1), checkpoint_id=where)
+            if dist.get_rank() == 0:
+                _damage(where, how)
+            dist.barrier()
+            kind, message, waited = _outcome(_loaded_rows, where)
+            assert kind == "CheckpointError", (how, plain, kind, message)
+            assert where in message and all(p in message for p in phrases), (how, message)
+            assert waited < PG_TIMEOUT
