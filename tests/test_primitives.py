@@ -137,15 +137,23 @@ def test_all_to_all_single_uneven_values_gradients_and_bytes(order):
 
 
 @distributed(world_size=4)
-def test_all_to_all_single_equal_splits_and_async():
+def test_all_to_all_single_equal_splits_and_async_under_exposed_comm_mode():
+    """Async primitives report to ExposedCommMode like any collective (a send/receive pair has
+    no single completion future: its flight ends at the wait)."""
+    from dtensor_lite.debug import ExposedCommMode
     mesh = init_device_mesh("cpu", (4,))
     me = dist.get_rank()
     x = torch.arange(8.).view(4, 2) + 10 * me
-    pending = all_to_all_single(x, mesh, 0, async_op=True)
-    assert isinstance(pending, Pending)
-    out = pending.wait()
+    with ExposedCommMode() as timing:
+        pending = all_to_all_single(x, mesh, 0, async_op=True)
+        shifted = ring_shift(x, mesh, 0, async_op=True)
+        assert isinstance(pending, Pending) and isinstance(shifted, Pending)
+        out, got = pending.wait(), shifted.wait()
     assert torch.equal(out, torch.stack([torch.arange(8.).view(4, 2)[me] + 10 * k
                                          for k in range(4)]))
+    assert torch.equal(got, torch.arange(8.).view(4, 2) + 10 * ((me - 1) % 4))
+    assert set(timing.by_kind()) == {"all_to_all", "ring_shift"}
+    assert 0 <= timing.exposed_s <= timing.total_s
 
 
 @distributed(world_size=4)
