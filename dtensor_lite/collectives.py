@@ -484,20 +484,27 @@ def send_recv(tensor: torch.Tensor | None, mesh, mesh_dim: int, dst: int | None,
     if dst == me:  # a shift by a multiple of the ring: stays here
         return _launch(kind, None, lambda: tensor.clone(), async_op)
     works, started, sent, received, x = [], time.perf_counter(), 0, None, None
+    device = tensor.device if tensor is not None else torch.device(mesh.device_type)
+    # gloo's send / recv read and write host memory only: device tensors go through the host
+    host = device.type != "cpu" and dist.get_backend(dg.group) == "gloo"
     if dst is not None:
         x = _wire(tensor)
         if is_traced(x):
             raise NotImplementedError(f"{kind} cannot be traced by torch.compile yet; run it "
                                       "eagerly (a graph break)")
+        x = x.cpu() if host else x
         works.append(dist.isend(x, dst=dg.ranks[dst], group=dg.group))
         sent = x.numel() * x.element_size()
     if src is not None:
         if like is None or like.dtype != dtype or tuple(like.shape) != shape:
-            like = torch.empty(shape, dtype=dtype, device=mesh.device_type if like is None
-                               else like.device)
-        received = _wire(torch.empty_like(like))
+            like = torch.empty(shape, dtype=dtype, device=device)
+        received = _wire(torch.empty_like(like, device="cpu" if host else device))
         works.append(dist.irecv(received, src=dg.ranks[src], group=dg.group))
     _report(kind, sent, dg.size, mesh, mesh_dim)
     issued = (_Works(works, (x, received)), started) if works else None
-    return _launch(kind, issued, lambda: None if received is None else _unwire(received, like),
-                   async_op)
+
+    def finish():
+        if received is None:
+            return None
+        return _unwire(received.to(device) if host else received, like)
+    return _launch(kind, issued, finish, async_op)

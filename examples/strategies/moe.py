@@ -75,7 +75,7 @@ class ExpertParallelMoE(torch.nn.Module):
         recv = incoming.sum(1).tolist()
         rows = all_to_all_single(x[order // self.top_k], mesh, dim, recv, send)  # dispatch
         # rows arrive grouped by source, then expert: regroup by expert for one matmul each
-        expert_of_row = torch.arange(mine).repeat(n).repeat_interleave(incoming.reshape(-1))
+        expert_of_row = torch.arange(mine, device=x.device).repeat(n).repeat_interleave(incoming.reshape(-1))
         by_expert = expert_of_row.argsort(stable=True)
         grouped = rows[by_expert].split(incoming.sum(0).tolist())
         if mine:
