@@ -145,8 +145,9 @@ def compute_local_shape_and_global_offset(global_shape: Sequence[int], mesh: Dev
 # ----------------------------------------------------------------------------- autograd
 def _check(tensor, mesh, mesh_dim, what: str) -> int:
     if isinstance(tensor, DTensor):
-        raise TypeError(f"{what} moves local tensors; got a DTensor placed {list(tensor.placements)}"
-                        ": call it inside local_map, or on dt.to_local()")
+        raise TypeError(f"{what} moves local tensors; got a DTensor placed "
+                        f"{list(tensor.placements)}: call it inside local_map, or on "
+                        "dt.to_local()")
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"{what}: mesh must be a DeviceMesh, got {type(mesh).__name__}")
     return mesh._dim_index(mesh_dim)

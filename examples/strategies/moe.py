@@ -46,9 +46,8 @@ class ExpertParallelMoE(torch.nn.Module):
         self.w2 = param(torch.randn(num_experts, ffn, hidden) / ffn ** 0.5, experts)
         coord = mesh.get_coordinate()
         # experts per rank along mesh_dim, in coordinate order (torch.chunk layout)
-        self.experts_per_rank = [
-            compute_local_shape_and_global_offset(self.w1.shape, mesh, experts,
-                                                  coord[:mesh_dim] + [c] + coord[mesh_dim + 1:])[0][0]
+        self.experts_per_rank = [compute_local_shape_and_global_offset(
+            self.w1.shape, mesh, experts, coord[:mesh_dim] + [c] + coord[mesh_dim + 1:])[0][0]
             for c in range(mesh.size(mesh_dim))]
 
     def forward(self, x):
@@ -75,7 +74,8 @@ class ExpertParallelMoE(torch.nn.Module):
         recv = incoming.sum(1).tolist()
         rows = all_to_all_single(x[order // self.top_k], mesh, dim, recv, send)  # dispatch
         # rows arrive grouped by source, then expert: regroup by expert for one matmul each
-        expert_of_row = torch.arange(mine, device=x.device).repeat(n).repeat_interleave(incoming.reshape(-1))
+        expert_of_row = torch.arange(mine, device=x.device).repeat(n).repeat_interleave(
+            incoming.reshape(-1))
         by_expert = expert_of_row.argsort(stable=True)
         grouped = rows[by_expert].split(incoming.sum(0).tolist())
         if mine:
