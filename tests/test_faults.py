@@ -428,3 +428,53 @@ def _damaged_loads(path):
             assert kind == "CheckpointError", (how, plain, kind, message)
             assert where in message and all(p in message for p in phrases), (how, message)
             assert waited < PG_TIMEOUT
+# ------------------------------------------------------------------ random: generators diverging
+
+def _replicas_agree(d, mesh):
+    """Every rank's piece of a Replicate DTensor is the same (what Replicate() claims)."""
+    from dtensor_lite import collectives as C
+    local = d.to_local()
+    pieces = C.all_gather(local.unsqueeze(0), mesh, 0)
+    return all(torch.equal(p, local) for p in pieces)
+
+
+def _dropout_with_warnings(x):
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        y = torch.nn.functional.dropout(x, 0.5)
+    return y, [str(w.message) for w in caught if "differed across the ranks" in str(w.message)]
+
+
+@distributed(world_size=2, timeout=60)
+def test_generators_reseeded_differently_after_the_first_random_op_are_caught():
+    rank = torch.distributed.get_rank()
+    mesh = init_device_mesh("cpu", (2,))
+    full = torch.randn(6, 5)
+    x = distribute_tensor(full, mesh, [R])
+
+    def plain_dropout(seed):
+        torch.manual_seed(seed)
+        return torch.nn.functional.dropout(full, 0.5)
+
+    torch.manual_seed(0)
+    y, warned = _dropout_with_warnings(x)  # the first op: ranks agree
+    assert not warned and _replicas_agree(y, mesh)
+    # every rank re-seeds, differently: caught at the next op, every rank gets rank 0's stream
+    torch.manual_seed(100 + rank)
+    y, warned = _dropout_with_warnings(x)
+    assert warned and _replicas_agree(y, mesh)
+    assert torch.equal(y.full_tensor(), plain_dropout(100))
+    # only rank 0 draws plain random numbers: its generator alone moved; caught, no hang
+    torch.manual_seed(5)
+    if rank == 0:
+        torch.rand(3)
+    y, warned = _dropout_with_warnings(x)
+    assert warned and _replicas_agree(y, mesh)
+    torch.manual_seed(5)
+    torch.rand(3)
+    assert torch.equal(y.full_tensor(), torch.nn.functional.dropout(full, 0.5))
+    # re-seeding alike keeps working: no warning, plain torch's values
+    torch.manual_seed(7)
+    y, warned = _dropout_with_warnings(x)
+    assert not warned and torch.equal(y.full_tensor(), plain_dropout(7))

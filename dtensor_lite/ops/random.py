@@ -12,9 +12,12 @@ embedded at this rank's region of a global-shaped stand-in filled with a harmles
 number of draws per element never depends on the parameter values, so the elements in this
 rank's region come out exactly as in the global op, without gathering the parameters.
 
-Ranks must *start* from the same generator state: on the first random op over a set of ranks,
-:func:`sync_rng_state` compares a digest of the states (a few tiny all-reduces) and, if they
-differ, copies the state of mesh coordinate (0, ..., 0) to every rank, with a warning.
+Ranks must draw from the same generator state: before every random op (the default mode,
+``"always"``), :func:`sync_rng_state` compares a digest of the states (one tiny all-reduce per
+mesh dim) and, if they differ, copies the state of mesh coordinate (0, ..., 0) to every rank, with
+a warning. Every op, not only the first: a rank may re-seed or draw plain random numbers between
+two ops, and only a check that every rank makes every time tells all ranks alike -- a check made
+only where a rank saw its own generator change would be entered by some ranks and not others.
 """
 from __future__ import annotations
 
@@ -26,6 +29,7 @@ import torch
 
 from .. import _caches
 from .. import collectives as C
+from ..debug import comm_cause
 from ..placements import Replicate, Shard
 from ..spec import DTensorSpec
 from ._registry import FullStrategy, get_rule, register_rule
@@ -39,20 +43,23 @@ aten = torch.ops.aten
 # (device type, sorted ranks) -> weak references to the generators known to agree there; weak so
 # that a collected user generator is never mistaken for a new one at the same address
 _SYNCED: dict = _caches.register({})
-_MODE = ["once"]
+_MODE = ["always"]
 
 
 def set_rng_sync_mode(mode: str) -> None:
     """When random DTensor ops check that ranks share the generator state.
 
-    ``"once"`` (default): on the first random op over a given set of ranks (and generator), then
-    never again (zero cost afterwards; re-seeding ranks differently later is not detected).
-    ``"always"``: before every random op (a few tiny all-reduces each; for debugging).
+    ``"always"`` (default): before every random op, one all-reduce of two int64 per mesh dim
+    (tens of microseconds on gloo; a rank that re-seeded or drew plain random numbers on its
+    own is caught at the next random DTensor op, every rank alike).
+    ``"once"``: on the first random op over a given set of ranks (and generator), then never
+    again (no communication afterwards; ranks re-seeded differently later are *not* detected:
+    their replicated values silently differ).
     ``"never"``: trust the user to seed every rank alike.
 
     Example::
 
-        >>> set_rng_sync_mode("always")   # catch a rank that re-seeded on its own
+        >>> set_rng_sync_mode("once")   # a hot loop of tiny random ops, every rank seeded alike
     """
     if mode not in ("once", "always", "never"):
         raise ValueError(
@@ -99,22 +106,25 @@ def sync_rng_state(mesh, generator: torch.Generator | None = None) -> bool:
                             "little", signed=True)
     # max(d) == -max(-d) exactly when every rank holds the same digest
     t = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
-    for i in range(mesh.ndim):
-        t = C.all_reduce(t, mesh, i, "max")
-    differed = int(t[0]) != -int(t[1])
-    if differed:
-        # broadcasting from coordinate 0 along each mesh dim in turn leaves every rank with the
-        # state of coordinate (0, ..., 0)
-        buf = state.to(device)
+    with comm_cause("rng_check"):
         for i in range(mesh.ndim):
-            C.broadcast(buf, mesh, i, 0)
-        gen.set_state(buf.cpu())
+            t = C.all_reduce(t, mesh, i, "max")
+        differed = int(t[0]) != -int(t[1])
+        if differed:
+            # broadcasting from coordinate 0 along each mesh dim in turn leaves every rank with
+            # the state of coordinate (0, ..., 0)
+            buf = state.to(device)
+            for i in range(mesh.ndim):
+                C.broadcast(buf, mesh, i, 0)
+            gen.set_state(buf.cpu())
+    if differed:
         warnings.warn(
-            f"dtensor_lite: the random generator states differed across the ranks of {mesh}; "
-            "copied the state of mesh coordinate 0 to every rank so that random DTensor ops give "
-            "the same global values everywhere. Seed every rank alike (torch.manual_seed(s) on "
-            "each rank) to avoid this; per-rank random streams for plain tensors need their own "
-            "torch.Generator", stacklevel=2)
+            f"dtensor_lite: the random generator states differed across the ranks of {mesh} "
+            "(seeded differently, or some ranks drew plain random numbers that others did not, "
+            "since the last random DTensor op); copied the state of mesh coordinate 0 to every "
+            "rank so that random DTensor ops give the same global values everywhere. Seed every "
+            "rank alike (torch.manual_seed(s) on each rank) to avoid this; per-rank random "
+            "streams for plain tensors need their own torch.Generator", stacklevel=2)
     _mark_synced(mesh, gen)
     return differed
 
