@@ -156,7 +156,7 @@ class DTensor(torch.Tensor):
             local_tensor = local_tensor.to(mesh.device_type)
         if run_check:
             with debug.outermost_cause("from_local(run_check)") or _NO_LABEL:
-                shape = _checked_global_shape(local_tensor, mesh, placements, shape)
+                shape = _checked_global_shape(local_tensor, mesh, placements, shape, stride=stride)
         if shape is None:
             shape = list(local_tensor.shape)
             for i, p in enumerate(placements):
@@ -344,47 +344,26 @@ def _default_mesh(like: torch.Tensor) -> DeviceMesh:
     return mesh
 
 
-def _checked_global_shape(local, mesh, placements, shape, check_replicas: bool = True):
-    """Gather every rank's local shape to derive the exact global shape (run_check=True).
+def _checked_global_shape(local, mesh, placements, shape, check_replicas: bool = True,
+                          stride=None):
+    """Every rank's piece metadata, exchanged to derive the exact global shape (run_check=True);
+    see ``_piece_check``: pieces of different sizes, dims or dtypes make every rank raise the
+    same ValueError before anything sized by a piece crosses ranks (gloo would abort).
 
-    Every check ends in a verdict that all ranks share (an all-reduce over every mesh dim), so a
-    bad piece on one rank makes *every* rank raise instead of leaving the others to hang later.
     ``check_replicas=False`` skips comparing the Replicate pieces' values (a broadcast of the
-    data): for callers that only need the shape (local_map).
+    data): for callers that only need the shape (local_map, tp's layout hooks).
     """
-    from .collectives import all_gather, all_reduce, broadcast
-    device = local.device if local.device.type != "meta" else "cpu"
-    all_dims = range(mesh.ndim)
+    from .collectives import all_reduce, broadcast
+    from ._piece_check import checked_global_shape
+    global_shape = checked_global_shape(local, mesh, placements, shape, stride)
 
     def everywhere_max(values):
         t = torch.tensor(values, dtype=torch.int64, device=device)
-        for i in all_dims:
+        for i in range(mesh.ndim):
             t = all_reduce(t, mesh, i, "max")
         return t.tolist()
 
-    # sum the piece lengths over each sharding mesh dim, innermost (last) mesh dim first
-    global_shape = list(local.shape)
-    for i in reversed(all_dims):
-        p = placements[i]
-        if p.is_shard():
-            lens = all_gather(torch.tensor([global_shape[p.dim]], device=device), mesh, i)
-            global_shape[p.dim] = int(lens.sum())
-    # the ranks must agree on the global shape, and each piece must be the torch.chunk piece
-    expected = DTensorSpec(mesh, placements, TensorMeta(
-        torch.Size(global_shape), contiguous_stride(global_shape), local.dtype)).local_shape()
-    bad_piece = int(tuple(local.shape) != tuple(expected))
-    verdict = everywhere_max(global_shape + [-s for s in global_shape] + [bad_piece])
-    n = len(global_shape)
-    if verdict[:n] != [-s for s in verdict[n:2 * n]] or verdict[-1]:
-        raise ValueError(
-            f"from_local(run_check=True): the local pieces do not form one global tensor under "
-            f"placements {list(placements)} (rank {mesh.get_rank()} holds "
-            f"{tuple(local.shape)}, and derives global shape {tuple(global_shape)} in which it "
-            f"should hold {tuple(expected)}); shards must follow torch.chunk and agree on the "
-            "dims they do not split")
-    if shape is not None and tuple(shape) != tuple(global_shape):
-        raise ValueError(f"from_local: shape={tuple(shape)} but the ranks' pieces add up to "
-                         f"{tuple(global_shape)} for placements {list(placements)}")
+    device = local.device if local.device.type != "meta" else "cpu"
     differs = []
     for i, p in enumerate(placements if check_replicas else ()):
         if p.is_replicate():

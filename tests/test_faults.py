@@ -426,6 +426,8 @@ def _damaged_loads(path):
             assert kind == "CheckpointError", (how, plain, kind, message)
             assert where in message and all(p in message for p in phrases), (how, message)
             assert waited < PG_TIMEOUT
+
+
 # ------------------------------------------------------------------ random: generators diverging
 
 def _replicas_agree(d, mesh):
@@ -476,3 +478,55 @@ def test_generators_reseeded_differently_after_the_first_random_op_are_caught():
     torch.manual_seed(7)
     y, warned = _dropout_with_warnings(x)
     assert not warned and torch.equal(y.full_tensor(), plain_dropout(7))
+
+
+# ----------------------------------------------------------------------------- from_local
+def _from_local_checked(local, placements, **kwargs):
+    mesh = init_device_mesh("cpu", (2,))
+    return DTensor.from_local(local, mesh, placements, run_check=True, **kwargs)
+
+
+# what each rank passes -> what every rank's error must say (PyTorch 2.13: run_check=True raises
+# "Inconsistent tensor metadata (including shape and stride) across ranks" for all of these, and
+# rejects uneven pieces too; run_check=False + full_tensor() aborts both processes in gloo)
+BAD_PIECES = {
+    "dtype": (lambda r: torch.ones(2, 3, dtype=(torch.float32, torch.float64)[r]), [Shard(0)], {},
+              ["different dtypes", "rank 0: (2, 3) torch.float32", "rank 1: (2, 3) torch.float64"]),
+    "dtype replicated": (lambda r: torch.ones(2, 3, dtype=(torch.float32, torch.float64)[r]),
+                         [Replicate()], {}, ["different dtypes"]),
+    "ndim": (lambda r: torch.ones((2, 3) if r == 0 else (2, 3, 1)), [Shard(0)], {},
+             ["different numbers of dims", "rank 0: (2, 3)", "rank 1: (2, 3, 1)"]),
+    "not chunks": (lambda r: torch.ones(1 + r, 3), [Shard(0)], {},
+                   ["do not form one global tensor", "add up to (3, 3)",
+                    "rank 0 should hold (2, 3)", "rank 0: (1, 3) torch.float32"]),
+    "unsplit dim": (lambda r: torch.ones(2, 3 + r), [Shard(0)], {},
+                    ["do not form one global tensor", "rank 1 should hold (2, 3)"]),
+    "replicas' shapes": (lambda r: torch.ones(2 + r), [Replicate()], {},
+                         ["do not form one global tensor"]),
+    "shape=": (lambda r: torch.ones(2, 3), [Shard(0)], {"shape": (4, 3)}, []),  # fine: control
+    "different shape=": (lambda r: torch.ones(2, 3), [Shard(0)], {"shape": ((4, 3), (5, 3))},
+                         ["the ranks passed different shape=", "rank 0: (4, 3), rank 1: (5, 3)"]),
+}
+
+
+@distributed(world_size=2, timeout=60)
+def test_from_local_run_check_bad_pieces_raise_on_every_rank():
+    """from_local(run_check=True) with pieces that are not one global tensor raises ValueError on
+    every rank, naming each rank's shape and dtype (the check used to pass different dtypes, and
+    abort the process in gloo for different dims or replicated dtypes)."""
+    rank = dist.get_rank()
+    with _short_timeout_group():
+        for name, (make, placements, kwargs, phrases) in BAD_PIECES.items():
+            kwargs = {k: (v[rank] if isinstance(v[0], tuple) else v) for k, v in kwargs.items()}
+            kind, message, waited = _outcome(
+                functools.partial(_from_local_checked, **kwargs), make(rank), placements)
+            if not phrases:
+                assert kind is None, (name, message)
+                continue
+            assert kind == "ValueError", (name, kind, message)
+            assert message.startswith("from_local(run_check=True): "), message
+            assert all(p in message for p in phrases), (name, message)
+            assert waited < PG_TIMEOUT, (name, waited)
+        # pieces that do form one tensor still pass, uneven ones included (7 and 6 rows)
+        dt = _from_local_checked(torch.ones(7 - rank, 3), [Shard(0)])
+        assert dt.shape == (13, 3) and torch.equal(dt.full_tensor(), torch.ones(13, 3))
