@@ -52,15 +52,22 @@ def llama_tp_plan(model: nn.Module, *, sequence_parallel: bool = False,
                          f"{type(model).__name__}")
     sp = sequence_parallel
     residual = Shard(1) if sp else Replicate()  # layout of the residual stream between blocks
+    # under sequence parallelism the residual stream stays a DTensor: it knows its global sequence
+    # length, so a length the TP size does not divide gives torch.chunk pieces (a local tensor
+    # declared Shard(1) would make every later hook exchange the pieces' lengths to learn it)
+    stream_local = not sp
     plan: dict[str, ParallelStyle] = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual),
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=residual,
+                                          use_local_output=stream_local),
         "layers.*.attention.wq": ColwiseParallel(),
         "layers.*.attention.wk": ColwiseParallel(),
         "layers.*.attention.wv": ColwiseParallel(),
-        "layers.*.attention.wo": RowwiseParallel(output_layouts=residual),
+        "layers.*.attention.wo": RowwiseParallel(output_layouts=residual,
+                                                 use_local_output=stream_local),
         "layers.*.feed_forward.w1": ColwiseParallel(),
         "layers.*.feed_forward.w3": ColwiseParallel(),
-        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=residual),
+        "layers.*.feed_forward.w2": RowwiseParallel(output_layouts=residual,
+                                                    use_local_output=stream_local),
         "output": ColwiseParallel(input_layouts=residual,
                                   output_layouts=Shard(-1) if loss_parallel else Replicate(),
                                   use_local_output=not loss_parallel),
@@ -84,9 +91,8 @@ def parallelize_llama(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_paralle
     """Apply :func:`llama_tp_plan` to ``model`` on the 1-D ``tp_mesh``; returns the model.
 
     Checks what the model itself needs: whole heads per rank (its attention reshapes with
-    ``view(bsz, seq, -1, head_dim)``) and, with sequence parallelism, a sequence length that
-    divides by the TP size (sequence pieces travel between modules as local tensors, assumed
-    even). Hidden and vocabulary sizes may be uneven.
+    ``view(bsz, seq, -1, head_dim)``). Hidden and vocabulary sizes and, with sequence
+    parallelism, the sequence length may be uneven (torch.chunk pieces).
 
     Example::
 
@@ -105,14 +111,6 @@ def parallelize_llama(model: nn.Module, tp_mesh: DeviceMesh, *, sequence_paralle
                              f"size that divides {heads})")
     plan = llama_tp_plan(model, sequence_parallel=sequence_parallel, loss_parallel=loss_parallel)
     parallelize_module(model, tp_mesh, plan)
-    if sequence_parallel:
-        def check_seq(mod, inputs):
-            seq = inputs[0].shape[1]
-            if seq % tp:
-                raise ValueError(f"sequence parallelism on {tp} ranks needs a sequence length "
-                                 f"that divides by {tp}, got {seq}; pad the batch or turn "
-                                 "sequence_parallel off")
-        model.register_forward_pre_hook(check_seq)
     return model
 
 

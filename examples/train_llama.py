@@ -285,9 +285,6 @@ def check_shapes(cfg: TrainConfig, sizes: dict[str, int]):
     if cfg.batch % n_dp:
         raise SystemExit(f"--batch {cfg.batch} does not divide by the data-parallel size "
                          f"{n_dp}; every data-parallel rank trains on batch/{n_dp} rows")
-    if "tp" in sizes and cfg.sequence_parallel and cfg.seq % sizes["tp"]:
-        raise SystemExit(f"--seq {cfg.seq} does not divide by tp={sizes['tp']} (sequence "
-                         "parallelism splits it); change --seq or pass --no-sp")
 
 
 def dry_run_setup(cfg: TrainConfig):

@@ -28,7 +28,7 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def _train_llama(world, sp, lp, steps=10, cfg=CFG):
+def _train_llama(world, sp, lp, steps=10, cfg=CFG, seq=8):
     """Train the TP model and the plain one side by side; return per-step relative loss diffs and
     the largest relative gradient error after the first backward."""
     mesh = init_device_mesh("cpu", (world,))
@@ -50,7 +50,7 @@ def _train_llama(world, sp, lp, steps=10, cfg=CFG):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rel_diffs, grad_err = [], None
     for step in range(steps):
-        inputs, targets = _tokens(vocab=cfg.vocab_size)
+        inputs, targets = _tokens(seq=seq, vocab=cfg.vocab_size)
         ref_loss = loss_fn(ref(inputs), targets)
         logits = model(inputs)
         if lp:
@@ -60,7 +60,7 @@ def _train_llama(world, sp, lp, steps=10, cfg=CFG):
             assert isinstance(loss, DTensor) and loss.placements == (Replicate(),)
             value = loss.to_local()
         else:
-            assert not isinstance(logits, DTensor) and logits.shape == (4, 8, cfg.vocab_size)
+            assert not isinstance(logits, DTensor) and logits.shape == (4, seq, cfg.vocab_size)
             loss = value = loss_fn(logits, targets)
         rel_diffs.append(abs(value.item() - ref_loss.item()) / abs(ref_loss.item()))
         ref_loss.backward()
@@ -98,6 +98,17 @@ def test_llama_tp_uneven_hidden_and_vocab():
     cfg = LlamaConfig(vocab_size=62, dim=16, n_layers=1, n_heads=4, ffn_dim=30, max_seq_len=16)
     rel, _ = run_distributed(4, _train_llama, 4, True, True, steps=3, cfg=cfg, timeout=120)[0]
     print(f"uneven ffn/vocab on 4 ranks: max loss rel diff {rel:.2e}")
+
+
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("lp", [False, True], ids=["no-lp", "lp"])
+def test_llama_tp_sequence_parallel_uneven_sequence(world, lp):
+    # 13 positions: pieces 7, 6 on 2 ranks and 4, 3, 3, 3 on 4 (torch.chunk); PyTorch's
+    # SequenceParallel assumes even pieces and aborts inside gloo here
+    rel, grad_err = run_distributed(world, _train_llama, world, True, lp, steps=3, seq=13,
+                                    timeout=120)[0]
+    print(f"uneven sequence 13 on {world} ranks lp={lp}: max loss rel diff {rel:.2e}, "
+          f"max grad rel err {grad_err:.2e}")
 
 
 # ----------------------------------------------------------------------------- collectives
@@ -257,6 +268,35 @@ def test_sequence_parallel_and_prepare_styles():
     torch.testing.assert_close(ident(_local_shard(a, mesh, 0)), a)
 
 
+@distributed(world_size=2, timeout=60)
+def test_sequence_parallel_uneven_local_pieces():
+    """5 positions on 2 ranks: local pieces of 3 and 2. The hook learns the global length from
+    one exchange of the pieces' sizes (PyTorch assumes 2 x local and aborts inside gloo)."""
+    mesh = init_device_mesh("cpu", (2,))
+    x = torch.randn(2, 5, 4)
+    norm = nn.LayerNorm(4)
+    norm.weight.data.uniform_()
+    ref = copy.deepcopy(norm)
+    parallelize_module(norm, mesh, SequenceParallel())
+    local = _local_shard(x, mesh, 1)
+    assert local.shape[1] == (3, 2)[mesh.get_rank()]
+    with CommDebugMode() as comm:
+        out = norm(local)
+    assert comm.get_comm_counts() == {"all_gather": 1}  # the pieces' sizes, once
+    assert out.shape == x.shape and out.placements == (Shard(1),)
+    torch.testing.assert_close(out.full_tensor(), ref(x))
+    out.full_tensor().sum().backward()
+    ref(x).sum().backward()
+    torch.testing.assert_close(norm.weight.grad.full_tensor(), ref.weight.grad)
+    with CommDebugMode() as comm:  # a DTensor input carries its global shape: no exchange
+        norm(out.detach())
+    assert comm.get_total_counts() == 0
+    # PrepareModuleInput gathers uneven local pieces the same way
+    gather = parallelize_module(nn.Identity(), mesh, PrepareModuleInput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)))
+    torch.testing.assert_close(gather(local).to_local(), x)
+
+
 # ----------------------------------------------------------------------------- loss_parallel
 @distributed(world_size=2, timeout=60)
 def test_loss_parallel_cross_entropy_and_nll():
@@ -322,9 +362,6 @@ def test_parallelize_module_errors():
         parallelize_module(lin, mesh2d["tp"], RowwiseParallel())
     with pytest.raises(ValueError, match="n_heads=4 does not divide by the TP size 3"):
         parallelize_llama(Llama(CFG), _FakeMesh(3))
-    sp_model = parallelize_llama(Llama(CFG), mesh, sequence_parallel=True)
-    with pytest.raises(ValueError, match="sequence length that divides by 4, got 6"):
-        sp_model(torch.zeros(2, 6, dtype=torch.long))
 
 
 class _FakeMesh:

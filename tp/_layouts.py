@@ -6,9 +6,12 @@ and hand back either the DTensor or its local piece. All three are differentiabl
 dtensor_lite, so the backward of a hook is its exact transpose (the gradient of a Replicate input
 to a column-parallel Linear arrives Partial and is all-reduced by ``from_local``'s backward).
 
-Global shapes: a local tensor declared ``Shard(d)`` is assumed to be an *even* piece (global
-size = local size x mesh size), as in PyTorch, unless the caller knows the global size (a
-row-parallel Linear knows its input's last dim is ``in_features``).
+Global shapes: a local tensor declared ``Shard(d)`` need not be an even piece. Unless the caller
+knows the global size (a row-parallel Linear knows its input's last dim is ``in_features``), the
+ranks exchange their pieces' metadata (one small all_gather of a fixed-size row) to learn it:
+PyTorch assumes even pieces (global = local x mesh size) and aborts in gloo on a sequence length
+the mesh size does not divide. A DTensor input knows its shape and needs no exchange, which is why
+the example Llama keeps its sequence-parallel residual stream as DTensors.
 """
 from __future__ import annotations
 
@@ -16,6 +19,8 @@ import torch
 
 from dtensor_lite import DeviceMesh, DTensor, Placement, Replicate, Shard
 from dtensor_lite._compile import boundary
+from dtensor_lite._piece_check import checked_global_shape
+from dtensor_lite.debug import comm_cause
 
 __all__ = ["one_layout", "to_dtensor", "convert"]
 
@@ -46,7 +51,11 @@ def to_dtensor(x, mesh: DeviceMesh, layout: Placement, shape=None, *, who: str =
     if not isinstance(x, torch.Tensor):
         raise ValueError(f"{who}: expected a tensor input to lay out as {layout}, got "
                          f"{type(x).__name__}")
-    return DTensor.from_local(x, mesh, [_normalized(layout, x.ndim)], shape=shape)
+    placements = [_normalized(layout, x.ndim)]
+    if shape is None and layout.is_shard():
+        with comm_cause(who or "tp layout", "global shape"):
+            shape = checked_global_shape(x, mesh, placements, what=f"{who or 'tp'}: local input")
+    return DTensor.from_local(x, mesh, placements, shape=shape)
 
 
 @boundary  # torch.compile: one opaque call, its Python traced by AOTAutograd (see _compile.py)

@@ -184,9 +184,10 @@ class RowwiseParallel(ParallelStyle):
 class SequenceParallel(ParallelStyle):
     """Run a per-position module (norms, dropout) on activations sharded on the sequence dim.
 
-    Parameters are replicated. A local input is declared ``Shard(sequence_dim)`` (assumed an even
-    piece: the sequence length must divide by the mesh size); a DTensor input is redistributed to
-    that if needed. The output is a ``Shard(sequence_dim)`` DTensor (a local tensor with
+    Parameters are replicated. A local input is declared ``Shard(sequence_dim)``: the ranks
+    exchange their pieces' lengths to learn the global one, so any length works (13 positions on
+    2 ranks: pieces 7 and 6); a DTensor input needs no exchange and is redistributed to that
+    layout if needed. The output is a ``Shard(sequence_dim)`` DTensor (a local tensor with
     ``use_local_output=True``). The parameters' gradients come out ``Partial`` (each rank saw
     only its positions) and are summed when read, e.g. by the optimizer or ``full_tensor()``.
 
@@ -241,8 +242,8 @@ class PrepareModuleInput(ParallelStyle):
     ``input_layouts`` / ``desired_input_layouts`` have one entry per positional input (``None``:
     pass that argument through untouched, e.g. non-tensor or plain replicated side inputs); the
     ``*_kwarg_layouts`` dicts do the same for keyword arguments. Local tensors are declared their
-    layout (Shard pieces assumed even), then redistributed. ``use_local_output=False`` (default)
-    hands the module DTensors.
+    layout (a Shard piece's global size learnt from the ranks' pieces), then redistributed.
+    ``use_local_output=False`` (default) hands the module DTensors.
 
     Example (sequence parallelism: gather the sequence before attention; cos/sin untouched)::
 
@@ -292,7 +293,8 @@ class PrepareModuleOutput(ParallelStyle):
 
     One ``output_layouts`` / ``desired_output_layouts`` entry per output tensor (a tuple output:
     one per element, ``None`` to pass one through). Local outputs are declared their layout
-    (Shard pieces assumed even). ``use_local_output=True`` (default) returns local tensors.
+    (a Shard piece's global size learnt from the ranks' pieces). ``use_local_output=True``
+    (default) returns local tensors.
 
     Example (a block that ends sequence-sharded hands on a replicated result)::
 
