@@ -23,7 +23,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_map
 
-from . import _aliasing, _caches, _fallback, debug
+from . import _aliasing, _caches, _failures, _fallback, debug
 from ._aliasing import COPIED_VIEWS
 from .dtensor import DTensor, use_dispatcher
 from .ops import _registry
@@ -127,7 +127,12 @@ def _dispatch(op, args, kwargs):
     largs = list(args)
     for pos, dt in zip(d.flat_positions, dts):
         largs[pos] = dt._local_tensor
-    out = d.local_fn(*largs, **kwargs)
+    try:
+        out = d.local_fn(*largs, **kwargs)
+    except Exception as e:  # an error only this rank's data raises must not strand the others
+        _failures.on_kernel_error(op, e, [dt._spec for dt in dts],
+                                  [dt._local_tensor for dt in dts])
+        raise
     if d.mutated is not None:
         return dts[d.mutated]  # in-place: the destination DTensor already has the right spec
     spec = d.out_specs
@@ -172,12 +177,17 @@ class _Decision:
             largs = list(args)
             for pos, loc in zip(positions, locals_):
                 largs[pos] = loc
-            out = self.local_fn(*largs, **kwargs)
+            lkwargs = kwargs
         else:
             it = iter(locals_)
             largs = [_swap(a, it) for a in args]
             lkwargs = {k: _swap(v, it) for k, v in kwargs.items()}
+        try:
             out = self.local_fn(*largs, **lkwargs)
+        except Exception as e:  # an error only this rank's data raises must not strand the others
+            _failures.on_kernel_error(self.op, e, [dt._spec if t is None else t for dt, t in
+                                                   zip(dts, targets)], locals_)
+            raise
         if validate:
             _validate_outputs(self, out)
         if self.view_src is None:

@@ -11,6 +11,8 @@ Every collective is issued asynchronously and wrapped in a ``Pending``: ``async_
 it back (``wait()`` blocks until the bytes arrived and returns the finished result), otherwise it
 is waited on at once. So one place sees when each collective was issued, how long the caller was
 blocked on it (exposed communication) and when it completed: ``debug.ExposedCommMode`` reads that.
+Waits go through ``_failures.wait_work``: on gloo, a rank that failed elsewhere (and posted its
+error to the store) stops this wait with an error naming it instead of the group's timeout.
 
 Cost model (bytes sent per rank; ``n`` = group size, ``c`` = one padded chunk in bytes):
   all_gather (n-1)*c · reduce_scatter (n-1)*c · all_reduce 2*(n-1)*ceil(numel/n)*itemsize ·
@@ -26,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 from ._compile import is_traced
+from ._failures import wait_work
 from .debug import _ACTIVE, _TIMERS, CommFlight, _record
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "scatter",
@@ -110,11 +113,11 @@ class Pending:
     buffer the caller owns). ``then(fn)`` queues more local work to run on that result at wait.
     Waiting twice returns the same result."""
 
-    __slots__ = ("_work", "_finish", "_kind", "_done", "_result", "_flight")
+    __slots__ = ("_work", "_finish", "_kind", "_done", "_result", "_flight", "_group")
 
     def __init__(self, issued, finish, kind: str):
-        work, started = issued if issued is not None else (None, 0.0)
-        self._work, self._finish, self._kind = work, finish, kind
+        work, started, group = issued if issued is not None else (None, 0.0, None)
+        self._work, self._finish, self._kind, self._group = work, finish, kind, group
         self._done, self._result = False, None
         self._flight = CommFlight(kind, started, work, _TIMERS) if _TIMERS and work else None
 
@@ -130,19 +133,20 @@ class Pending:
         if not self._done:
             if self._work is not None:
                 start = time.perf_counter()
-                self._work.wait()
+                # in slices, watching for a failure another rank posted (see _failures.py)
+                wait_work(self._work, self._kind, self._group)
                 if self._flight is not None:
                     self._flight.waited(start, time.perf_counter())
             self._result = self._finish()
             self._done = True
-            self._work = self._finish = self._flight = None
+            self._work = self._finish = self._flight = self._group = None
         return self._result
 
 
-def _issue(collective, *args, **kwargs):
-    """Issue ``collective`` asynchronously: (its work, when the issue call began)."""
+def _issue(collective, *args, group, **kwargs):
+    """Issue ``collective`` asynchronously: (its work, when the issue call began, the group)."""
     started = time.perf_counter()
-    return collective(*args, async_op=True, **kwargs), started
+    return collective(*args, async_op=True, group=group, **kwargs), started, group
 
 
 def _launch(kind: str, issued, finish, async_op: bool):

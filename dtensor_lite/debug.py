@@ -25,7 +25,8 @@ import torch
 
 __all__ = ["CommDebugMode", "CommRecord", "comm_cause", "ExposedCommMode", "ExplicitRedistributionContext",
            "strict_redistribute", "FallbackRedistributeWarning", "ImplicitRedistributionError",
-           "reset_fallback_warnings", "MemoryTracker"]
+           "reset_fallback_warnings", "MemoryTracker", "propagate_failures", "RankFailedError",
+           "CollectiveFailedError"]
 
 _ACTIVE: list["CommDebugMode"] = []
 _TIMERS: list["ExposedCommMode"] = []
@@ -427,3 +428,5 @@ class ExposedCommMode:
 
 
 from .memory_tracker import MemoryTracker  # noqa: E402  (its own module; re-exported here)
+# rank failures that stop every rank (their own module; re-exported here)
+from ._failures import CollectiveFailedError, RankFailedError, propagate_failures  # noqa: E402

@@ -14,7 +14,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from . import _caches
+from . import _caches, _failures
 
 __all__ = ["DeviceMesh", "init_device_mesh"]
 
@@ -126,6 +126,9 @@ class DeviceMesh:
             self._root_mesh = mesh_tensor
             self._root_dims = tuple((d,) for d in range(mesh_tensor.ndim))
             self._flat_names: dict[str, tuple[int, ...]] = {}
+            # an exception that ends this process is posted, so the other ranks stop at their next
+            # collective naming it (by default: torchrun / torchtitan mains let it escape)
+            _failures.install_excepthook()
         else:
             _root._check_alive()  # a slice of a dead mesh must not quietly get the new groups
             self._root = _root

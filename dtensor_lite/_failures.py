@@ -1,0 +1,284 @@
+"""Rank failures: one rank's exception stops every rank, naming it, within the group timeout.
+
+A rank that raises while the others go on to their next collective leaves them waiting for a
+partner that never comes; gloo would end that wait only after the process group's timeout (30
+minutes unless ``init_process_group(timeout=...)`` says otherwise) with a bare "Timed out waiting
+for recv" that names neither the rank nor its error. So:
+
+* **posting**: a rank whose failure may be its own posts ``"rank r: <type>: <message>"`` to the
+  c10d store the default process group already has (one key; the first post wins, so the root
+  cause is named, not the ranks that stopped because of it). Who posts: the dispatcher, for a
+  local kernel that failed on data only this rank holds (ids out of range in a sharded index
+  tensor, an empty piece; :func:`on_kernel_error`); :func:`propagate_failures` for any exception
+  escaping a block (a training step); the ``sys.excepthook`` installed when the first DeviceMesh
+  is built, for any exception that ends the process (the torchrun / torchtitan default: an
+  uncaught exception in ``main``); and a collective that failed itself (a gloo timeout).
+* **waiting**: :mod:`.collectives` waits for every collective here (:func:`wait_work`), in slices
+  of ``POLL_INTERVAL``; between slices it reads the store and, if a rank posted, raises
+  :class:`RankFailedError` naming that rank and its error. A healthy collective that finishes
+  within one slice never touches the store; a slow one reads one key per slice.
+
+A posted failure means the job cannot go on: the failing rank skipped collectives the others
+ran, so the groups' sequences no longer match. Recreate the process groups (or restart the job)
+to continue; torchrun stops the remaining workers once one exits non-zero.
+
+Only gloo waits are sliced: gloo's ``wait`` blocks the caller, while NCCL's only orders streams
+(and a timed-out NCCL wait aborts the communicator); NCCL jobs rely on NCCL's watchdog
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING``) and on torchrun.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import math
+import sys
+import threading
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["RankFailedError", "CollectiveFailedError", "POLL_INTERVAL", "post_failure",
+           "posted_failure", "propagate_failures", "wait_work", "on_kernel_error",
+           "install_excepthook"]
+
+POLL_INTERVAL = datetime.timedelta(seconds=0.5)  # how often a blocked wait looks at the store
+_POLL_SECONDS = POLL_INTERVAL.total_seconds()
+_KEY = "dtensor_lite/first_failure"
+_MAX_MESSAGE = 2000  # characters of the exception text that travel through the store
+_POSTED = "_dtensor_lite_posted"  # attribute on an exception: already posted (or not ours to post)
+
+
+class RankFailedError(RuntimeError):
+    """Another rank failed (its error is in the message and in ``failure``); this rank was
+    waiting for it in a collective that can no longer complete."""
+
+    def __init__(self, message: str, failure: str):
+        super().__init__(message)
+        self.failure = failure
+        setattr(self, _POSTED, True)  # the cause is posted already; this is only its echo
+
+
+class CollectiveFailedError(RuntimeError):
+    """A collective failed (e.g. timed out) without any rank having posted an exception first."""
+
+
+# ------------------------------------------------------------------ the store
+def _store():
+    """The default process group's store, or None (no group, or a backend without one)."""
+    if not dist.is_available() or not dist.is_initialized():
+        return None
+    try:
+        return dist.distributed_c10d._get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+
+
+def _describe(exc: BaseException) -> str:
+    text = str(exc)
+    if len(text) > _MAX_MESSAGE:
+        text = text[:_MAX_MESSAGE] + " [...]"
+    return f"rank {dist.get_rank()}: {type(exc).__name__}: {text}"
+
+
+def post_failure(exc: BaseException) -> None:
+    """Tell every rank that this rank failed with ``exc`` (the first post of the job wins).
+    Never raises: it runs on paths that are already failing."""
+    if getattr(exc, _POSTED, False):
+        return
+    try:
+        setattr(exc, _POSTED, True)
+    except AttributeError:  # an exception type with __slots__: post it anyway
+        pass
+    store = _store()
+    if store is None:
+        return
+    try:
+        # compare_set with an expected "" creates the key only if it is absent: first post wins
+        store.compare_set(_KEY, "", _describe(exc))
+    except Exception:  # noqa: BLE001 - the store may be gone with the rank that hosted it
+        pass
+
+
+def posted_failure() -> str | None:
+    """The first failure any rank posted ("rank r: Type: message"), or None."""
+    store = _store()
+    if store is None:
+        return None
+    try:
+        if not store.check([_KEY]):
+            return None
+        return store.get(_KEY).decode(errors="replace")
+    except Exception as e:  # noqa: BLE001
+        # the store's host (rank 0 under torchrun's c10d rendezvous: the agent) is unreachable
+        return f"(unknown rank: the c10d store is unreachable: {type(e).__name__}: {e})"
+
+
+@contextlib.contextmanager
+def propagate_failures():
+    """Post any exception escaping the block, so that every other rank stops at its next
+    collective with a :class:`RankFailedError` naming this rank and the exception, within
+    ``POLL_INTERVAL`` instead of the process group's timeout.
+
+    Wrap a training step (or the whole loop) with it where the exception does not end the
+    process (an uncaught one is posted by the hook installed with the first DeviceMesh)::
+
+        >>> with dtensor_lite.debug.propagate_failures():
+        ...     loss = model(batch).sum(); loss.backward(); optim.step()
+
+    After a posted failure the process groups are out of step: recreate them before going on.
+    """
+    try:
+        yield
+    except BaseException as e:
+        if isinstance(e, Exception):  # not KeyboardInterrupt / SystemExit(0) & co
+            post_failure(e)
+        raise
+
+
+_HOOK_INSTALLED = False
+
+
+def install_excepthook() -> None:
+    """Post the exception that ends this process (chained before the current ``sys.excepthook``).
+    Called when the first DeviceMesh is built; installing twice is a no-op."""
+    global _HOOK_INSTALLED
+    if _HOOK_INSTALLED:
+        return
+    _HOOK_INSTALLED = True
+    previous = sys.excepthook
+
+    def post_then_report(exc_type, exc, tb):
+        if isinstance(exc, Exception):
+            post_failure(exc)
+        previous(exc_type, exc, tb)
+
+    sys.excepthook = post_then_report
+
+
+# ------------------------------------------------------------------ waiting
+_SLICEABLE: dict = {}  # process group -> whether its waits block the caller (gloo)
+
+
+def _sliceable(group) -> bool:
+    ok = _SLICEABLE.get(group)
+    if ok is None:
+        try:
+            ok = "nccl" not in str(dist.get_backend(group))
+        except (RuntimeError, ValueError):
+            ok = False
+        _SLICEABLE[group] = ok
+    return ok
+
+
+def _group_ranks(group) -> list[int]:
+    try:
+        return dist.get_process_group_ranks(group)
+    except (RuntimeError, ValueError):
+        return []
+
+
+def _remote_failure(kind: str, group, failure: str) -> RankFailedError:
+    return RankFailedError(
+        f"{kind} over ranks {_group_ranks(group)} cannot complete: another rank failed first -- "
+        f"{failure} -- and will not join it. Every rank of the job stops; the first failure above "
+        "is the one to fix (see docs/troubleshooting.md, 'A rank failed').", failure)
+
+
+_SLICE_EXPIRED = "Operation timed out"  # what gloo's wait(timeout) says when only the slice ran out
+
+
+def wait_work(work, kind: str, group) -> None:
+    """Wait for ``work`` (a collective of ``kind`` over ``group``). On gloo, in slices of
+    ``POLL_INTERVAL``: a failure another rank posted meanwhile raises :class:`RankFailedError`;
+    a collective that fails itself (gloo's timeout, a peer gone) raises
+    :class:`CollectiveFailedError` and is posted for the ranks waiting elsewhere."""
+    if not _sliceable(group):
+        work.wait()
+        return
+    if kind == "reduce_scatter":
+        # gloo's reduce_scatter work ignores wait's timeout (and has no future): wait for it on a
+        # thread of its own and watch the store from here
+        _wait_on_thread(work, kind, group)
+        return
+    while True:
+        try:
+            if work.wait(POLL_INTERVAL) is not False:
+                return
+        except RuntimeError as e:
+            if work.is_completed() or _SLICE_EXPIRED not in str(e):
+                _raise_failed(kind, group, e)
+        failure = posted_failure()  # only this slice ran out: did some rank give up?
+        if failure is not None:
+            raise _remote_failure(kind, group, failure)
+
+
+def _wait_on_thread(work, kind: str, group) -> None:
+    done, errors = threading.Event(), []
+
+    def wait():
+        try:
+            work.wait()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            errors.append(e)
+        done.set()
+    # a daemon thread: one left waiting for a dead collective must not hold up the process's exit
+    threading.Thread(target=wait, name=f"dtensor_lite {kind} wait", daemon=True).start()
+    while not done.wait(_POLL_SECONDS):
+        failure = posted_failure()
+        if failure is not None:
+            raise _remote_failure(kind, group, failure)
+    if errors:
+        _raise_failed(kind, group, errors[0])
+
+
+def _raise_failed(kind: str, group, e: BaseException):
+    """The collective itself failed: name the rank that failed first if one posted, else say
+    that some rank did not join, and post that for the ranks waiting elsewhere."""
+    failure = posted_failure()
+    if failure is not None:
+        raise _remote_failure(kind, group, failure) from e
+    err = CollectiveFailedError(
+        f"{kind} over ranks {_group_ranks(group)} failed: {e}. No rank reported an exception "
+        "before it, so some rank of the group did not join this collective: it exited, is stuck "
+        "elsewhere, or ran a different sequence of collectives (e.g. a forward, backward or "
+        "optimizer step that not every rank ran). The process group's timeout bounds this wait: "
+        "init_process_group(timeout=...). See docs/troubleshooting.md.")
+    post_failure(err)
+    raise err from e
+
+
+# ------------------------------------------------------------------ kernels on pieces
+def _may_be_rank_local(specs, locals_) -> bool:
+    """Whether a kernel error on these pieces can be this rank's alone: some input holds data
+    that differs by rank and that kernels check (ids / masks: non-float tensors), or this rank's
+    piece is empty while the whole tensor is not."""
+    for spec, loc in zip(specs, locals_):
+        if all(p.is_replicate() for p in spec.placements):
+            continue
+        dtype = spec.tensor_meta.dtype
+        if not (dtype.is_floating_point or dtype.is_complex):
+            return True
+        if isinstance(loc, torch.Tensor) and loc.numel() == 0 and \
+                math.prod(spec.tensor_meta.shape) > 0:
+            return True
+    return False
+
+
+def on_kernel_error(op, exc: Exception, specs, locals_) -> None:
+    """The local kernel of ``op`` raised ``exc`` on pieces ``locals_`` (specs ``specs``). If the
+    failure may be this rank's alone (see :func:`_may_be_rank_local`), post it and raise it again
+    with a message that says so; otherwise return (the caller re-raises ``exc``: every rank holds
+    the same data and raises the same error)."""
+    if getattr(exc, _POSTED, False) or not _may_be_rank_local(specs, locals_):
+        return
+    placements = [list(s.placements) for s in specs]
+    message = (f"{exc}\n[{op} on this rank's pieces, inputs placed {placements}: the error depends "
+               "on the data this rank holds, so other ranks need not raise it; they stop at their "
+               "next collective with an error naming this rank. See docs/troubleshooting.md, "
+               "'Out-of-range indices'.]")
+    try:
+        err = type(exc)(message)
+    except Exception:  # noqa: BLE001 - an exception type with another signature
+        err = RuntimeError(message)
+    post_failure(err)
+    raise err from exc

@@ -1,0 +1,250 @@
+"""Nothing hangs: a failure on one rank stops every rank within the process group's timeout, and
+every rank's error names the rank that failed first and its exception.
+
+Each body runs on a fresh default process group with a short timeout (``_fresh_group``) and
+restores the pool's usual group at the end, since a failed rank leaves the group's collective
+sequences out of step. Times are wall-clock stamps taken on each rank (one machine, one clock):
+the test asserts how long the other ranks waited after the failure, not just that they stopped.
+"""
+from __future__ import annotations
+
+import contextlib
+import datetime
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from dtensor_lite import Replicate, Shard, distribute_tensor, init_device_mesh
+from dtensor_lite.debug import propagate_failures
+from tests.harness import reinit_process_group, run_distributed
+
+R = Replicate()
+GROUP_TIMEOUT = 3.0  # seconds: the default group's timeout in these tests
+MARGIN = 2.0  # seconds on top of it that a loaded 2-core machine may need to notice
+
+
+@contextlib.contextmanager
+def _fresh_group(timeout: float = GROUP_TIMEOUT):
+    """A new default group with ``timeout`` for the body, the pool's usual one afterwards (the
+    old group is abandoned with whatever collective the failure left pending). The short timeout
+    is set after the rendezvous, which on a loaded machine can take longer than it."""
+    reinit_process_group()
+    dist.distributed_c10d._set_pg_timeout(datetime.timedelta(seconds=timeout))
+    try:
+        yield
+    finally:
+        reinit_process_group()
+
+
+def _outcome(fn):
+    """(exception type name or "ok", message, wall-clock time it ended) of ``fn()``."""
+    try:
+        fn()
+        return "ok", "", time.time()
+    except Exception as e:  # noqa: BLE001 - the outcome is the test's subject
+        return type(e).__name__, str(e), time.time()
+
+
+def _assert_stopped_naming(outcomes, failed_rank, failed_type, within=GROUP_TIMEOUT + MARGIN):
+    """``failed_rank`` raised ``failed_type``; every other rank raised RankFailedError naming it,
+    no later than ``within`` seconds after it."""
+    kind, message, t_fail = outcomes[failed_rank]
+    assert kind == failed_type, outcomes[failed_rank]
+    for rank, (kind, message, t) in enumerate(outcomes):
+        if rank == failed_rank:
+            continue
+        assert kind == "RankFailedError", (rank, kind, message)
+        assert f"rank {failed_rank}: {failed_type}" in message, (rank, message)
+        assert t - t_fail < within, f"rank {rank} stopped {t - t_fail:.1f}s after the failure"
+
+
+# ------------------------------------------------------------------ data-dependent index errors
+def _out_of_range_ids_on_one_rank(op: str):
+    with _fresh_group():
+        mesh = init_device_mesh("cpu", (2,))
+        ids = distribute_tensor(torch.tensor([[1, 2], [3, 6]]), mesh, [Shard(0)])  # rank 1: id 6
+        table = distribute_tensor(torch.randn(6, 4), mesh, [R])
+        if op == "embedding":
+            outcome = _outcome(lambda: F.embedding(ids, table).full_tensor())
+        else:
+            outcome = _outcome(lambda: table.index_select(0, ids.flatten()).full_tensor())
+        return outcome
+
+
+def test_out_of_range_id_on_one_rank_stops_every_rank():
+    """Ids sharded with the batch: only rank 1 holds the out-of-range one. It raises an
+    IndexError that says the error is data-dependent; rank 0, waiting in the all-gather of
+    full_tensor, stops within a poll interval naming rank 1's IndexError."""
+    for op in ("embedding", "index_select"):
+        outcomes = run_distributed(2, _out_of_range_ids_on_one_rank, op, timeout=60)
+        _assert_stopped_naming(outcomes, 1, "IndexError", within=MARGIN)
+        assert "depends on the data this rank holds" in outcomes[1][1], outcomes[1]
+        assert "index out of range" in outcomes[0][1], outcomes[0]
+
+
+# ------------------------------------------------------------------ a fault anywhere in a step
+PHASES = ("forward", "backward", "optimizer", "state_dict")
+
+
+class InjectedFault(Exception):
+    """Raised on purpose at one point of one rank's training step."""
+
+
+def _fsdp_mlp(tp: bool):
+    """A small MLP under fully_shard (each linear, then the root); with ``tp``, over a 2x2
+    (dp, tp) mesh with column- then row-wise linears. Returns (model, input wrapper)."""
+    from fsdp import fully_shard
+    from tests.test_fsdp_tp import _meshes, _mlp, _tp_by_hand
+
+    model = _mlp((6, 8, 6))
+    if tp:
+        _mesh, dp, tp_mesh = _meshes((2, 2), ("dp", "tp"))
+        _tp_by_hand(model, tp_mesh)
+        fully_shard(model, mesh=dp)
+        from dtensor_lite import DTensor
+        return model, lambda x: DTensor.from_local(x, tp_mesh, [R])
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in (model[0], model[2], model):
+        fully_shard(layer, mesh=mesh)
+    return model, lambda x: x
+
+
+def _train_with_fault(fail_rank: int, phase: str, fail_step: int, tp: bool = False):
+    """Two FSDP training steps, each followed by a full state dict (collective), under
+    propagate_failures(); rank ``fail_rank`` raises InjectedFault in ``phase`` of ``fail_step``."""
+    from dtensor_lite import get_model_state_dict
+
+    with _fresh_group():
+        model, wrap = _fsdp_mlp(tp)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        me, now = dist.get_rank(), {"step": 0}
+
+        def fault(where):
+            if me == fail_rank and where == phase and now["step"] == fail_step:
+                raise InjectedFault(f"injected into the {where} of step {fail_step}")
+
+        def grad_fault_after(module, args, out):
+            out.register_hook(lambda grad: fault("backward"))
+
+        model[2].register_forward_pre_hook(lambda module, args: fault("forward"))
+        model[0].register_forward_hook(grad_fault_after)
+        opt.register_step_pre_hook(lambda optimizer, args, kwargs: fault("optimizer"))
+        g = torch.Generator().manual_seed(me)
+
+        def steps():
+            with propagate_failures():
+                for step in range(2):
+                    now["step"] = step
+                    out = model(wrap(torch.randn(3, 6, generator=g)))
+                    out = out.full_tensor() if hasattr(out, "full_tensor") else out
+                    out.pow(2).mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+                    fault("state_dict")
+                    get_model_state_dict(model, full_state_dict=True)
+        return _outcome(steps)
+
+
+def _check_fault(world: int, fail_rank: int, phase: str, fail_step: int, tp: bool = False):
+    outcomes = run_distributed(world, _train_with_fault, fail_rank, phase, fail_step, tp,
+                               timeout=60)
+    _assert_stopped_naming(outcomes, fail_rank, "InjectedFault")
+    assert f"injected into the {phase} of step {fail_step}" in outcomes[1 - fail_rank][1]
+
+
+@settings(max_examples=6, deadline=None, derandomize=True,
+          suppress_health_check=list(HealthCheck))
+@given(fail_rank=st.integers(0, 1), phase=st.sampled_from(PHASES), fail_step=st.integers(0, 1))
+def test_no_hang_fault_anywhere_in_an_fsdp_step(fail_rank, phase, fail_step):
+    """Whatever rank fails wherever in the step (forward, backward, optimizer step, state
+    dict), the other rank stops within the group timeout, naming the rank and the fault."""
+    _check_fault(2, fail_rank, phase, fail_step)
+
+
+def test_no_hang_fault_in_an_fsdp_tp_step():
+    """FSDP over TP on a 2x2 mesh: a fault in one rank's forward (rank 3) and backward (rank 0)
+    stops all four ranks, each naming the failed rank."""
+    for fail_rank, phase in ((3, "forward"), (0, "backward")):
+        outcomes = run_distributed(4, _train_with_fault, fail_rank, phase, 0, True, timeout=60)
+        _assert_stopped_naming(outcomes, fail_rank, "InjectedFault")
+
+
+# ------------------------------------------------------------------ a step not every rank runs
+def _forward_on_one_rank_only():
+    """Rank 0 runs a forward and backward; rank 1 skips them and stays away from collectives
+    until rank 0 has given up (a rank that went on to *different* collectives instead would make
+    gloo abort both processes on the size mismatch: see docs/troubleshooting.md)."""
+    with _fresh_group():
+        model, _ = _fsdp_mlp(False)
+        started = time.time()
+        if dist.get_rank() == 0:
+            return _outcome(lambda: model(torch.randn(3, 6)).sum().backward()), started
+        time.sleep(GROUP_TIMEOUT + 1)
+        return ("skipped", "", time.time()), started
+
+
+def test_no_hang_forward_on_one_rank_only():
+    """No rank raised, yet rank 0 waits in an all-gather rank 1 never joins: gloo's timeout (the
+    group's) ends it, and the error says that some rank of the group did not join."""
+    (kind, message, t), t0 = run_distributed(2, _forward_on_one_rank_only, timeout=60)[0]
+    assert kind == "CollectiveFailedError", (kind, message)
+    assert "over ranks [0, 1]" in message and "did not join this collective" in message, message
+    assert GROUP_TIMEOUT - 0.5 < t - t0 < GROUP_TIMEOUT + MARGIN + 2, f"{t - t0:.1f}s"
+
+
+# ------------------------------------------------------------------ the default: excepthook
+def _uncaught_exception_on_rank_1():
+    """Rank 1 ends as an uncaught exception would (Python calls sys.excepthook, which the first
+    DeviceMesh chained); rank 0 is in a collective."""
+    import sys
+
+    from dtensor_lite import DTensor
+
+    with _fresh_group():
+        mesh = init_device_mesh("cpu", (2,))
+        if dist.get_rank() == 1:
+            try:
+                raise InjectedFault("uncaught in main()")
+            except InjectedFault as e:
+                sys.excepthook(type(e), e, e.__traceback__)
+                return "InjectedFault", str(e), time.time()
+        piece = DTensor.from_local(torch.ones(2, 3), mesh, [Shard(0)])
+        return _outcome(lambda: piece.full_tensor())
+
+
+def test_uncaught_exception_is_posted_by_default():
+    outcomes = run_distributed(2, _uncaught_exception_on_rank_1, timeout=60)
+    _assert_stopped_naming(outcomes, 1, "InjectedFault", within=MARGIN)
+
+
+# ------------------------------------------------------------------ errors every rank raises
+def _consistent_errors_leave_the_group_usable():
+    """An op without a rule runs on the gathered whole tensor on every rank, so a data error in
+    it (bincount of a negative id, where rank 1's piece is empty) is raised by every rank alike;
+    so is an out-of-range id that every rank holds. Nothing is posted: the group goes on."""
+    from dtensor_lite._failures import posted_failure
+
+    with _fresh_group():
+        mesh = init_device_mesh("cpu", (2,))
+        errors = []
+        for bad in (lambda: torch.bincount(distribute_tensor(torch.tensor([-1]), mesh,
+                                                             [Shard(0)])),
+                    lambda: F.embedding(distribute_tensor(torch.tensor([6]), mesh, [R]),
+                                        distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)]))):
+            kind, message, _ = _outcome(bad)
+            errors.append((kind, message.splitlines()[0]))
+        total = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)]).sum().full_tensor()
+        return errors, posted_failure(), float(total)
+
+
+def test_errors_every_rank_raises_are_not_posted():
+    outcomes = run_distributed(2, _consistent_errors_leave_the_group_usable, timeout=60)
+    assert outcomes[0] == outcomes[1], outcomes
+    errors, posted, total = outcomes[0]
+    assert [kind for kind, _ in errors] == ["RuntimeError", "IndexError"], errors
+    assert "non-negative" in errors[0][1] and "out of range" in errors[1][1], errors
+    assert posted is None and total == 6.0
