@@ -34,6 +34,7 @@ import math
 import queue
 import sys
 import threading
+import time
 
 import torch
 import torch.distributed as dist
@@ -185,9 +186,6 @@ def _remote_failure(kind: str, group, failure: str) -> RankFailedError:
         "is the one to fix (see docs/troubleshooting.md, 'A rank failed').", failure)
 
 
-_SLICE_EXPIRED = "Operation timed out"  # what gloo's wait(timeout) says when only the slice ran out
-
-
 def wait_work(work, kind: str, group) -> None:
     """Wait for ``work`` (a collective of ``kind`` over ``group``). On gloo, in slices of
     ``POLL_INTERVAL``: a failure another rank posted meanwhile raises :class:`RankFailedError`;
@@ -202,11 +200,14 @@ def wait_work(work, kind: str, group) -> None:
         _wait_on_thread(work, kind, group)
         return
     while True:
+        started = time.monotonic()
         try:
             if work.wait(POLL_INTERVAL) is not False:
                 return
         except RuntimeError as e:
-            if work.is_completed() or _SLICE_EXPIRED not in str(e):
+            # only the slice ran out: still running after (about) a whole slice; a failed work
+            # is completed, or (some work types) raises again at once
+            if work.is_completed() or time.monotonic() - started < 0.8 * _POLL_SECONDS:
                 _raise_failed(kind, group, e)
         failure = posted_failure()  # only this slice ran out: did some rank give up?
         if failure is not None:

@@ -459,9 +459,12 @@ class _Works:
     def __init__(self, works, buffers):
         self.works, self.buffers = works, buffers  # buffers: alive until the bytes have moved
 
-    def wait(self):
+    def wait(self, timeout=None):
         for w in self.works:
-            w.wait()
+            if timeout is None:
+                w.wait()
+            else:  # a slice of a longer wait (see _failures.wait_work)
+                w.wait(timeout)
 
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self.works)
@@ -505,7 +508,7 @@ def send_recv(tensor: torch.Tensor | None, mesh, mesh_dim: int, dst: int | None,
         received = _wire(torch.empty_like(like, device="cpu" if host else device))
         works.append(dist.irecv(received, src=dg.ranks[src], group=dg.group))
     _report(kind, sent, dg.size, mesh, mesh_dim)
-    issued = (_Works(works, (x, received)), started) if works else None
+    issued = (_Works(works, (x, received)), started, dg.group) if works else None
 
     def finish():
         if received is None:

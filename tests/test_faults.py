@@ -292,7 +292,10 @@ def test_mesh_dim_groups_take_the_default_timeout():
         _release_after([1, 2], "lonely")
         kind, message, waited = got
         if rank in (1, 2):
-            assert kind == "RuntimeError" and "imed out" in message, got
+            # the first to time out says so (CollectiveFailedError) and posts it; the other, still
+            # waiting, stops naming it (RankFailedError, see tests/test_no_hang.py)
+            assert kind in ("CollectiveFailedError", "RankFailedError"), got
+            assert "imed out" in message, got
             assert PG_TIMEOUT - 1 <= waited <= PG_TIMEOUT + MARGIN, got
 
 
