@@ -194,9 +194,10 @@ def wait_work(work, kind: str, group) -> None:
     if not _sliceable(group):
         work.wait()
         return
-    if kind == "reduce_scatter":
-        # gloo's reduce_scatter work ignores wait's timeout (and has no future): wait for it on a
-        # thread of its own and watch the store from here
+    if kind == "reduce_scatter" or getattr(work, "timed_wait_aborts", False):
+        # gloo's reduce_scatter work ignores wait's timeout (and has no future), and a send /
+        # receive pair is closed by a timed-out wait: wait for those on a thread of their own
+        # and watch the store from here
         _wait_on_thread(work, kind, group)
         return
     while True:

@@ -459,12 +459,13 @@ class _Works:
     def __init__(self, works, buffers):
         self.works, self.buffers = works, buffers  # buffers: alive until the bytes have moved
 
-    def wait(self, timeout=None):
+    # a gloo send / receive whose wait(timeout) runs out closes the pair: _failures.wait_work
+    # must not wait for it in slices (it waits on a thread of its own instead)
+    timed_wait_aborts = True
+
+    def wait(self):
         for w in self.works:
-            if timeout is None:
-                w.wait()
-            else:  # a slice of a longer wait (see _failures.wait_work)
-                w.wait(timeout)
+            w.wait()
 
     def is_completed(self) -> bool:
         return all(w.is_completed() for w in self.works)
