@@ -231,8 +231,11 @@ class _Waiter(threading.Thread):
                 work.wait()
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
                 errors.append(e)
-            done.set()
+            # drop the work (and the buffers it keeps alive) before the waiting thread goes on
+            work = None
             _IDLE_WAITERS.append(self)
+            done.set()
+            done = errors = None
 
 
 _IDLE_WAITERS: list[_Waiter] = []
