@@ -17,6 +17,10 @@ Read top-down: the cache key and the hot path (``dispatch``), a decision and how
 ``_decide`` (rule -> strategies -> targets and output specs), then the decisions that are not a
 rule's: plain tensors inside backward, decompositions, and ops without a rule (``_fallback``).
 In-place view ops, ``out=`` overloads and views that had to copy live in ``_aliasing``.
+
+A local kernel that raises on data only this rank holds (ids of a sharded index tensor out of
+range, an empty piece) is reported to the other ranks (``_failures.on_kernel_error``) so they
+stop at their next collective instead of waiting for it.
 """
 from __future__ import annotations
 

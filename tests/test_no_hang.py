@@ -248,3 +248,31 @@ def test_errors_every_rank_raises_are_not_posted():
     assert [kind for kind, _ in errors] == ["RuntimeError", "IndexError"], errors
     assert "non-negative" in errors[0][1] and "out of range" in errors[1][1], errors
     assert posted is None and total == 6.0
+
+
+# ------------------------------------------------------------------ a kernel failing on an empty piece
+def _kernel_fails_on_an_empty_piece():
+    """A (user) rule runs rfft slice by slice over a Shard(0) batch; with one row on two ranks,
+    rank 1's piece is empty and the FFT kernel refuses it (only there). Rank 1's error says it
+    is this rank's data; rank 0 stops at the all-gather of full_tensor, naming it."""
+    from dtensor_lite import _caches, register_sharding
+    from dtensor_lite.ops import _registry
+
+    op = torch.ops.aten._fft_r2c.default
+    with _fresh_group():
+        @register_sharding(op)
+        def batch_sliced_rfft(x, dim, normalization, onesided):
+            return [([Shard(0)], [Shard(0), None, None, None])]
+        try:
+            mesh = init_device_mesh("cpu", (2,))
+            x = distribute_tensor(torch.randn(1, 8), mesh, [Shard(0)])
+            return _outcome(lambda: torch.fft.rfft(x, dim=1).full_tensor())
+        finally:
+            _registry.RULES.pop(op, None)  # back to no rule (the fallback) for later tests
+            _caches.clear_decisions()
+
+
+def test_kernel_failing_on_one_ranks_empty_piece_stops_every_rank():
+    outcomes = run_distributed(2, _kernel_fails_on_an_empty_piece, timeout=60)
+    _assert_stopped_naming(outcomes, 1, "RuntimeError", within=MARGIN)
+    assert "depends on the data this rank holds" in outcomes[1][1], outcomes[1]
