@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from dtensor_lite import Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from dtensor_lite.collectives import all_reduce_cost
 from dtensor_lite.debug import CommDebugMode
 from tests.harness import distributed
 
@@ -587,3 +588,157 @@ def test_one_hot():
     # one-hot rows as a float DTensor feed differentiable ops as usual
     w = _rand(7, 4)
     check(lambda w, i: F.one_hot(i).float() @ w, [w, ids], [[R], [Shard(0)]], mesh1)
+
+
+# ----------------------------------------------------------------------------- batch norm
+def _bn_case(mesh, x, px, pstats, training=True, steps=1, affine=True):
+    """F.batch_norm on DTensors against nn.BatchNorm on one process, ``steps`` times (running
+    statistics accumulate): outputs, input / weight / bias gradients, running statistics."""
+    c = x.shape[1]
+    ref = (torch.nn.BatchNorm1d if x.ndim == 3 else torch.nn.BatchNorm2d)(c, affine=affine)
+    ref.train(training)
+    if affine:
+        with torch.no_grad():
+            ref.weight.copy_(_rand(c, seed=5))
+            ref.bias.copy_(_rand(c, seed=6))
+    if not training:  # evaluation reads running statistics: make them non-trivial
+        ref.running_mean.copy_(_rand(c, seed=7))
+        ref.running_var.copy_(_rand(c, seed=8).abs() + 0.5)
+    rm = distribute_tensor(ref.running_mean.clone(), mesh, pstats, src_data_rank=None)
+    rv = distribute_tensor(ref.running_var.clone(), mesh, pstats, src_data_rank=None)
+    w = b = None
+    if affine:
+        w = _dist(ref.weight.detach(), mesh, [R] * mesh.ndim)
+        b = _dist(ref.bias.detach(), mesh, [R] * mesh.ndim)
+    where = f"x {tuple(x.shape)} {px}, stats {pstats}, training={training}"
+    # float32: each statistic sums ~50 values per channel (accumulated in float64 as torch does),
+    # then one division / rsqrt: the outputs agree to a few ulp; gradients sum products once more
+    tol = dict(rtol=1e-5, atol=1e-5)
+    for step in range(steps):
+        xs = x + step
+        xr = xs.clone().requires_grad_()
+        yr = ref(xr)
+        dx = _dist(xs, mesh, px)
+        y = F.batch_norm(dx, rm, rv, w, b, training=training, momentum=0.1, eps=1e-5)
+        # the input's layout stays (a second channel shard is gathered)
+        kept = [p if p.is_shard() and (p.dim != 1 or p not in px[:i]) else R
+                for i, p in enumerate(px)]
+        assert any(p.is_partial() for p in px) or list(y.placements) == kept, where
+        torch.testing.assert_close(y.full_tensor(), yr, msg=lambda m: f"{where}: {m}", **tol)
+        g = _rand(*x.shape, seed=20 + step)
+        yr.backward(g)
+        y.backward(_dist(g, mesh, _grad_placements(y), grad=False))
+        pairs = [(dx.grad, xr.grad)]
+        if affine:
+            pairs += [(w.grad, ref.weight.grad), (b.grad, ref.bias.grad)]
+        for got, want in pairs:
+            torch.testing.assert_close(got.full_tensor(), want,
+                                       msg=lambda m: f"grad, {where}: {m}", **tol)
+        if affine:
+            w.grad = b.grad = None
+            ref.weight.grad = ref.bias.grad = None
+        for got, want in ((rm, ref.running_mean), (rv, ref.running_var)):
+            assert got.placements == tuple(pstats)
+            torch.testing.assert_close(got.full_tensor(), want,
+                                       msg=lambda m: f"running stats, {where}: {m}", **tol)
+
+
+BN_1D = [[Shard(0)], [Shard(1)], [Shard(2)], [Partial()]]
+BN_2D = [[Shard(0), Shard(1)], [Shard(2), Shard(0)], [Shard(0), Shard(0)], [Shard(1), Shard(1)]]
+
+
+@distributed(world_size=4)
+@pytest.mark.parametrize("batch", [10, 3])  # 3,3,3,1 pieces; 3 on 4 ranks: one empty piece
+def test_batch_norm_training_matches_one_process(batch):
+    x1, x2 = _rand(batch, 5, 6, seed=1), _rand(batch, 3, 4, 5, seed=2)
+    mesh1, mesh2 = _meshes()
+    for px in BN_1D:
+        _bn_case(mesh1, x1, px, [R], steps=2)  # the running statistics accumulate
+    for px in BN_2D:
+        _bn_case(mesh2, x2, px, [R, R])
+    # running statistics sharded like the channels, or across a batch-sharded input
+    _bn_case(mesh1, x1, [Shard(1)], [Shard(0)])
+    _bn_case(mesh2, x2, [Shard(0), Shard(0)], [Shard(0), R])
+    _bn_case(mesh1, x1, [Shard(0)], [R], affine=False)
+
+
+@distributed(world_size=4)
+def test_batch_norm_eval_matches_one_process():
+    x = _rand(10, 5, 6, seed=1)
+    mesh1, mesh2 = _meshes()
+    for px in BN_1D:
+        _bn_case(mesh1, x, px, [R], training=False)
+    _bn_case(mesh2, x, [Shard(1), Shard(0)], [Shard(0), R], training=False)
+
+
+@distributed(world_size=4)
+def test_batch_norm_all_reduces_only_statistics():
+    # batch-sharded input: forward all-reduces the per-channel sum, then the sum of squared
+    # deviations (C float64 each); backward one all-reduce of [sum dy, sum dy * (x - mean)]
+    mesh = init_device_mesh("cpu", (4,))
+    n, c = 10, 5
+    x = _dist(_rand(n, c, 6, seed=1), mesh, [Shard(0)])
+    w, b = _dist(_rand(c, seed=2), mesh, [R]), _dist(_rand(c, seed=3), mesh, [R])
+    rm = distribute_tensor(torch.zeros(c), mesh, [R])
+    rv = distribute_tensor(torch.ones(c), mesh, [R])
+    grad = distribute_tensor(_rand(n, c, 6, seed=4), mesh, [Shard(0)])
+    with CommDebugMode() as comm:
+        y = F.batch_norm(x, rm, rv, w, b, training=True)
+        y.backward(grad)
+    assert comm.get_comm_counts() == {"all_reduce": 3}
+    # C float64 twice forward, 2C once backward: bytes of statistics, none of the input
+    assert comm.get_total_bytes() == 2 * all_reduce_cost(c, 8, 4) + all_reduce_cost(2 * c, 8, 4)
+    assert y.placements == x.grad.placements == (Shard(0),)
+    assert w.grad.placements == b.grad.placements == (R,)
+    # channel-sharded input, running statistics sharded alike: nothing moves
+    xc = _dist(_rand(n, c, 6, seed=1), mesh, [Shard(1)])
+    wc, bc = _dist(_rand(c, seed=2), mesh, [Shard(0)]), _dist(_rand(c, seed=3), mesh, [Shard(0)])
+    rmc = distribute_tensor(torch.zeros(c), mesh, [Shard(0)])
+    rvc = distribute_tensor(torch.ones(c), mesh, [Shard(0)])
+    with CommDebugMode() as comm:
+        y = F.batch_norm(xc, rmc, rvc, wc, bc, training=True)
+        y.backward(_dist(_rand(n, c, 6, seed=4), mesh, [Shard(1)], grad=False))
+        F.batch_norm(xc, rmc, rvc, wc, bc, training=False)
+    assert comm.get_total_counts() == 0
+    assert wc.grad.placements == (Shard(0),)
+    # evaluation mode on a batch shard: pointwise; parameter gradients stay Partial
+    with CommDebugMode() as comm:
+        y = F.batch_norm(x, rm, rv, w, b, training=False)
+        w.grad = b.grad = None
+        y.backward(grad)
+    assert comm.get_total_counts() == 0
+    assert w.grad.placements == b.grad.placements == (Partial(),)
+
+
+@distributed(world_size=4)
+def test_batch_norm_rejects_partial_running_statistics():
+    mesh = init_device_mesh("cpu", (4,))
+    x = _dist(_rand(8, 3, 4), mesh, [Shard(0)])
+    rm = distribute_tensor(torch.zeros(3), mesh, [R]).redistribute(mesh, [Partial()])
+    rv = distribute_tensor(torch.ones(3), mesh, [R])
+    with pytest.raises(ValueError, match="running_mean has placements"):
+        F.batch_norm(x, rm, rv, training=True)
+
+
+@distributed(world_size=4)
+def test_per_sample_norms_on_batch_shards():
+    # instance, group and layer norm have per-sample statistics: a batch shard stays local
+    mesh = init_device_mesh("cpu", (4,))
+    x, w, b = _rand(8, 6, 5), _rand(6, seed=1), _rand(6, seed=2)
+    for batch in (8, 3):  # even; and one rank with an empty piece
+        xb = x[:batch]
+        check(lambda x: F.instance_norm(x), [xb], [[Shard(0)]], mesh)
+        check(lambda x, w, b: F.instance_norm(x, weight=w, bias=b), [xb, w, b],
+              [[Shard(0)], [R], [R]], mesh)
+        check(lambda x, w, b: F.group_norm(x, 3, w, b), [xb, w, b], [[Shard(0)], [R], [R]],
+              mesh)
+        check(lambda x: F.layer_norm(x, (6, 5)), [xb], [[Shard(0)]], mesh)
+    dx = _dist(x, mesh, [Shard(0)])
+    dw, db = _dist(w, mesh, [R]), _dist(b, mesh, [R])
+    grad = distribute_tensor(_rand(8, 6, 5, seed=3), mesh, [Shard(0)])
+    for fn in (lambda: F.group_norm(dx, 3, dw, db), lambda: F.instance_norm(dx),
+               lambda: F.layer_norm(dx, (6, 5))):
+        with CommDebugMode() as comm:
+            y = fn()
+            y.backward(grad)
+        assert comm.get_total_counts() == 0 and y.placements == (Shard(0),)

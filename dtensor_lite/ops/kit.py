@@ -8,13 +8,16 @@ like after that choice are the same in every op family; they live here.
 """
 from __future__ import annotations
 
+import torch
+from torch.utils._pytree import tree_map
+
 from ..placements import LINEAR_REDUCE_OPS, Replicate, reductions_mix
 from ..spec import DTensorSpec
 from ._expansion import expand_strategies
 from ._registry import FullStrategy
 
 __all__ = ["arg", "arg_at", "input_names", "input_locations", "mutated_input", "strategy",
-           "replace_args", "choose", "target_spec"]
+           "replace_args", "choose", "target_spec", "empty_piece_safe"]
 
 R = Replicate()
 
@@ -153,3 +156,21 @@ def target_spec(call, full: FullStrategy, j: int) -> DTensorSpec:
         if tuple(want) == spec.placements:
             return spec
     return DTensorSpec(call.mesh, want, spec.tensor_meta, order)
+
+
+# ----------------------------------------------------------------------------- local functions
+def empty_piece_safe(op, first: int = 0):
+    """A local function running ``op``, except where this rank's piece of ``args[first]`` is
+    empty: there it returns zeros shaped as the op's meta kernel says (an empty result, or a sum
+    over nothing). Some CPU kernels fail on empty inputs (MKL's FFT raises, batch norm's backward
+    over zero channels dies of a division by zero) while the other ranks go on to their next
+    collective; an uneven shard gives a rank such a piece."""
+    def run(*args, **kwargs):
+        if args[first].numel():
+            return op(*args, **kwargs)
+        meta = tree_map(lambda t: t.to("meta") if isinstance(t, torch.Tensor) else t,
+                        (args, kwargs))
+        out = op(*meta[0], **meta[1])
+        return tree_map(lambda t: torch.zeros(t.shape, dtype=t.dtype, device=args[first].device)
+                        if isinstance(t, torch.Tensor) else t, out)
+    return run
