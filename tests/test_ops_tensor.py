@@ -356,7 +356,10 @@ def test_copies_fills_and_constructors():
         for new in (lambda t: t.new_zeros(4, 2), lambda t: t.new_ones((2,)),
                     lambda t: t.new_full((3, 3), 2.0), lambda t: t.new_empty(2, 2).fill_(1.0)):
             out = new(dx)
-            assert out.placements == (R, R)
+            # a shard stays on a dim whose size the new tensor keeps (3 columns)
+            kept = tuple(p if p == Shard(1) and out.ndim == 2 and out.shape[1] == 3 else R
+                         for p in dx.placements)
+            assert out.placements == kept, (pl, out.shape)
             close(out.full_tensor(), new(x))
         for src_pl in PLACEMENTS_2D[::2]:
             dst = torch.zeros_like(dx)

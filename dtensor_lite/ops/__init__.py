@@ -5,6 +5,7 @@ from . import batched  # noqa: F401  (before random: its linalg_qr stand-in yiel
 from . import random, foreach  # noqa: F401
 from . import nn  # noqa: F401
 from . import batch_norm  # noqa: F401
+from . import fft  # noqa: F401
 from . import loss  # noqa: F401
 from . import attention  # noqa: F401
 from . import view_copy  # noqa: F401  (last: it mirrors the view rules registered above)

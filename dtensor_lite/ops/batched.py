@@ -1,6 +1,6 @@
 """Ops that work slice by slice over some dims: linear algebra on the last two dims, pooling and
-upsampling over the trailing spatial dims. (FFTs are not here: pocketfft refuses the empty
-batch a rank can hold, while the other ranks go on to communicate.)
+upsampling over the trailing spatial dims. (FFTs are in ``fft.py``: they transform a list of
+dims, not the trailing ones, and MKL refuses the empty piece a rank can hold.)
 
 Every slice along the other (batch / channel) dims is computed on its own, so a shard of one of
 those dims stays where it is and moves nothing; only a dim the op mixes has to be whole. The

@@ -12,7 +12,7 @@ from ..dtensor import DTensor
 from ..redistribute import redistribute_local
 from .. import collectives
 from ..placements import LINEAR_REDUCE_OPS, REDUCE_OPS, Partial, Replicate, Shard, reductions_mix
-from ..spec import DTensorSpec, TensorMeta
+from ..spec import DTensorSpec, TensorMeta, contiguous_stride
 from ._registry import Decompose, FullStrategy, register_rule
 from .kit import arg_at, choose
 from .pointwise import _cast_keeps, with_scalar_zeroing
@@ -86,18 +86,25 @@ _NEW_KEEPS_PARTIAL = {aten.new_empty.default, aten.new_empty_strided.default,
 @register_rule(aten.new_zeros, aten.new_ones, aten.new_empty, aten.new_full,
                aten.new_empty_strided)
 def _new(call):
-    # Sizes are global. A buffer shaped like the input is laid out like it (each rank builds its
-    # own piece: a strategy author's `x.new_empty_strided(x.shape, x.stride())` stays sharded);
-    # any other size is built whole on every rank. No data moves; the input's values are unused.
+    # Sizes are global. A buffer keeps the input's shard of every dim whose size it keeps (each
+    # rank builds its own piece): a strategy author's `x.new_empty_strided(x.shape, x.stride())`
+    # stays sharded, and so do the buffers backward formulas pad into (rfft's backward:
+    # `grad.new_zeros(input.shape)`, then a slice copied in). Other dims are whole on every
+    # rank. No data moves; the input's values are unused.
     spec, size = call.inputs[0], tuple(call.args[1])
     stride = tuple(call.args[2]) if call.op is aten.new_empty_strided.default else None
-    if size != tuple(spec.shape) or spec.is_replicated():
-        return FullStrategy(outs=[(R,) * call.mesh.ndim], ins=[None] * len(call.inputs))
-    outs = tuple(p if p.is_shard() or (p.is_partial() and call.op in _NEW_KEEPS_PARTIAL) else R
+    same = size == tuple(spec.shape)
+    outs = tuple(p if (p.is_shard() and len(size) == spec.ndim and size[p.dim] == spec.shape[p.dim])
+                 or (same and p.is_partial() and call.op in _NEW_KEEPS_PARTIAL) else R
                  for p in spec.placements)
-    out = DTensorSpec(call.mesh, outs, TensorMeta(torch.Size(size), stride or spec.stride,
-                                                  spec.dtype), spec.shard_order)
-    local_size = out.local_shape()
+    if not same and not spec.has_default_order and outs != spec.placements:
+        outs = (R,) * call.mesh.ndim  # a part of a shard order has no spelling: build it whole
+    if all(p.is_replicate() for p in outs):
+        return FullStrategy(outs=[outs], ins=[None] * len(call.inputs))
+    # the input's shard order holds while every shard is kept; else the default order does
+    order = spec.shard_order if outs == spec.placements else None
+    meta = TensorMeta(torch.Size(size), stride or contiguous_stride(size), spec.dtype)
+    local_size = DTensorSpec(call.mesh, outs, meta, order).local_shape()
 
     def local_new(x, _size, *rest, **kwargs):
         if stride is None:
@@ -105,7 +112,7 @@ def _new(call):
         return call.op(x, local_size, _strides_in_order(stride, local_size), *rest[1:], **kwargs)
 
     return FullStrategy(outs=[outs], ins=[None] * len(call.inputs), local_fn=local_new,
-                        out_orders=[spec.shard_order])
+                        out_orders=[order])
 
 
 def _strides_in_order(global_stride, local_size) -> tuple[int, ...]:
