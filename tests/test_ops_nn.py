@@ -733,6 +733,9 @@ def test_per_sample_norms_on_batch_shards():
         check(lambda x, w, b: F.group_norm(x, 3, w, b), [xb, w, b], [[Shard(0)], [R], [R]],
               mesh)
         check(lambda x: F.layer_norm(x, (6, 5)), [xb], [[Shard(0)]], mesh)
+    # a shard of a normalised dim is gathered (the gathered piece is a strided view)
+    check(lambda x, w, b: F.group_norm(x, 3, w, b), [x[:3], w, b],
+          [[Shard(0), Shard(2)], [R, R], [R, R]], init_device_mesh("cpu", (2, 2)))
     dx = _dist(x, mesh, [Shard(0)])
     dw, db = _dist(w, mesh, [R]), _dist(b, mesh, [R])
     grad = distribute_tensor(_rand(8, 6, 5, seed=3), mesh, [Shard(0)])

@@ -335,7 +335,11 @@ def _group_norm_backward(call):
 
 
 def _with_local_n(op, name, *args, **kwargs):
-    """``op`` with its sample count ``N`` (global in the call) set to this rank's piece's."""
+    """``op`` with its sample count ``N`` (global in the call) set to this rank's piece's. The
+    kernel wants contiguous tensors (F.group_norm makes its input so; a piece gathered along a
+    later dim is a strided view)."""
     n = _bound(op, args, kwargs)[name].shape[0]
+    args = [a.contiguous() if isinstance(a, torch.Tensor) else a for a in args]
+    kwargs = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     args, kwargs = replace_args(op, args, kwargs, N=n)
     return op(*args, **kwargs)
