@@ -276,3 +276,69 @@ def test_kernel_failing_on_one_ranks_empty_piece_stops_every_rank():
     outcomes = run_distributed(2, _kernel_fails_on_an_empty_piece, timeout=60)
     _assert_stopped_naming(outcomes, 1, "RuntimeError", within=MARGIN)
     assert "depends on the data this rank holds" in outcomes[1][1], outcomes[1]
+
+
+# ------------------------------------------------------------------ a launched job, end to end
+_LAUNCHED_MAIN = '''
+import datetime, time
+import torch
+import torch.distributed as dist
+from dtensor_lite import DTensor, Shard, init_device_mesh
+
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
+mesh = init_device_mesh("cpu", (2,))
+piece = DTensor.from_local(torch.ones(2, 3), mesh, [Shard(0)])
+piece.full_tensor()  # both ranks are up
+if dist.get_rank() == 1:
+    print(f"FAILED_AT {time.time()}", flush=True)
+    raise ValueError("bad batch on rank 1")  # uncaught: ends the process
+try:
+    piece.full_tensor()
+except Exception:
+    print(f"STOPPED_AT {time.time()}", flush=True)
+    raise
+'''
+
+
+def test_uncaught_exception_in_a_launched_job_stops_the_other_rank(tmp_path):
+    """Two processes launched as torchrun would (env rendezvous, group timeout 60 s, no launcher
+    to kill the survivor): rank 1's uncaught exception reaches the excepthook the mesh chained;
+    rank 0 stops within a poll interval naming it, and its process exits non-zero long before
+    the group timeout."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    script = tmp_path / "main.py"
+    script.write_text(_LAUNCHED_MAIN)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
+                   TORCH_CPP_LOG_LEVEL="ERROR", PYTHONPATH=repo, CUDA_VISIBLE_DEVICES="")
+        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, text=True,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    ended = time.time()
+    stamps = {}
+    for out in outs:
+        for line in out.splitlines():
+            if line.startswith(("FAILED_AT", "STOPPED_AT")):
+                key, value = line.split()
+                stamps[key] = float(value)
+    assert procs[1].returncode != 0 and "ValueError: bad batch on rank 1" in outs[1], outs[1]
+    assert procs[0].returncode != 0, outs[0]
+    assert "RankFailedError" in outs[0] and "rank 1: ValueError: bad batch on rank 1" in outs[0]
+    assert stamps["STOPPED_AT"] - stamps["FAILED_AT"] < MARGIN, stamps
+    assert ended - stamps["FAILED_AT"] < 30, "the processes outlived half the group timeout"
