@@ -115,6 +115,17 @@ def posted_failure() -> str | None:
         return f"(unknown rank: the c10d store is unreachable: {type(e).__name__}: {e})"
 
 
+def forget_posted_failure() -> None:
+    """Remove the posted failure, for a process group that is used again after ranks raised
+    errors they caught (test suites whose ranks all raised alike; jobs never need this)."""
+    store = _store()
+    if store is not None:
+        try:
+            store.delete_key(_KEY)
+        except Exception:  # noqa: BLE001 - nothing to forget, or no store
+            pass
+
+
 @contextlib.contextmanager
 def propagate_failures():
     """Post any exception escaping the block, so that every other rank stops at its next
