@@ -745,3 +745,39 @@ def test_per_sample_norms_on_batch_shards():
             y = fn()
             y.backward(grad)
         assert comm.get_total_counts() == 0 and y.placements == (Shard(0),)
+
+
+@distributed(world_size=4)
+@pytest.mark.parametrize("momentum", [0.1, None])  # None: cumulative average over the batches
+def test_batch_norm_module_on_a_batch_shard(momentum):
+    # nn.BatchNorm2d with its parameters and buffers replicated (distribute_module), fed a
+    # batch-sharded input for three steps: what SyncBatchNorm gives, without a special module
+    from dtensor_lite import distribute_module
+    mesh = init_device_mesh("cpu", (4,))
+    torch.manual_seed(0)
+    ref = torch.nn.BatchNorm2d(3, momentum=momentum)
+    bn = distribute_module(torch.nn.BatchNorm2d(3, momentum=momentum), mesh)
+    for step in range(3):
+        x = _rand(10, 3, 4, 4, seed=step) * (step + 1) + step
+        yr = ref(x.clone().requires_grad_())
+        y = bn(_dist(x, mesh, [Shard(0)]))
+        torch.testing.assert_close(y.full_tensor(), yr, rtol=1e-5, atol=1e-5)
+        g = _rand(10, 3, 4, 4, seed=10 + step)
+        yr.backward(g)
+        y.backward(_dist(g, mesh, [Shard(0)], grad=False))
+    for name, want in list(ref.named_parameters()) + list(ref.named_buffers()):
+        got = dict(list(bn.named_parameters()) + list(bn.named_buffers()))[name]
+        if want.is_floating_point():
+            torch.testing.assert_close(got.full_tensor(), want, rtol=1e-5, atol=1e-5)
+            if name in ("weight", "bias"):
+                torch.testing.assert_close(got.grad.full_tensor(), want.grad, rtol=1e-5,
+                                           atol=1e-5)
+        else:
+            assert got.full_tensor().item() == want.item() == 3  # num_batches_tracked
+    bn.eval()
+    ref.eval()
+    x = _rand(10, 3, 4, 4, seed=9)
+    with CommDebugMode() as comm:
+        y = bn(_dist(x, mesh, [Shard(0)]))
+    assert comm.get_total_counts() == 0
+    torch.testing.assert_close(y.full_tensor(), ref(x), rtol=1e-5, atol=1e-5)
