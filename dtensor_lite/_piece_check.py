@@ -11,8 +11,6 @@ none is left waiting in a collective.
 """
 from __future__ import annotations
 
-import zlib
-
 import torch
 
 from . import collectives as C
@@ -22,12 +20,6 @@ __all__ = ["checked_global_shape"]
 
 MAX_DIMS = 64  # torch tensors have at most 64 dims
 _ROW = 5 + 3 * MAX_DIMS  # ndim, dtype code, has shape=, has stride=, spare; shape, shape=, stride=
-_DTYPE_BY_CODE = {zlib.crc32(str(d).encode()): d for d in vars(torch).values()
-                  if isinstance(d, torch.dtype)}
-
-
-def _code(dtype: torch.dtype) -> int:
-    return zlib.crc32(str(dtype).encode())
 
 
 def _padded(values) -> list[int]:
@@ -37,8 +29,8 @@ def _padded(values) -> list[int]:
 
 def _gather_rows(local: torch.Tensor, mesh, shape, stride) -> list[dict]:
     """Every rank's metadata, in row-major mesh-coordinate order (one all_gather per mesh dim)."""
-    row = ([local.ndim, _code(local.dtype), int(shape is not None), int(stride is not None), 0]
-           + _padded(local.shape) + _padded(shape) + _padded(stride))
+    row = ([local.ndim, C.dtype_code(local.dtype), int(shape is not None),
+            int(stride is not None), 0] + _padded(local.shape) + _padded(shape) + _padded(stride))
     device = local.device if local.device.type != "meta" else "cpu"
     table = torch.tensor([row], dtype=torch.int64, device=device)
     for i in reversed(range(mesh.ndim)):
@@ -47,7 +39,7 @@ def _gather_rows(local: torch.Tensor, mesh, shape, stride) -> list[dict]:
     for r in table.tolist():
         n = r[0]
         rows.append({
-            "ndim": n, "dtype": _DTYPE_BY_CODE.get(r[1], f"dtype#{r[1]}"),
+            "ndim": n, "dtype": C.dtype_from_code(r[1]),
             "shape": tuple(r[5:5 + n]),
             "given_shape": tuple(r[5 + MAX_DIMS:5 + MAX_DIMS + n]) if r[2] else None,
             "given_stride": tuple(r[5 + 2 * MAX_DIMS:5 + 2 * MAX_DIMS + n]) if r[3] else None})
@@ -107,8 +99,8 @@ def checked_global_shape(local: torch.Tensor, mesh, placements, shape=None, stri
     bad = [k for k, c in enumerate(coords)
            if tuple(spec.local_shape_and_offset(c)[0]) != rows[k]["shape"]]
     if bad:
-        want = "; ".join(f"rank {ranks[k]} should hold {tuple(spec.local_shape_and_offset(coords[k])[0])}"
-                         for k in bad[:8])
+        want = "; ".join(f"rank {ranks[k]} should hold "
+                         f"{tuple(spec.local_shape_and_offset(coords[k])[0])}" for k in bad[:8])
         fail(f"the local pieces do not form one global tensor (they add up to {tuple(derived)}, "
              f"in which {want})",
              "shards must be torch.chunk pieces of one global tensor and agree on the dims they "

@@ -1,4 +1,4 @@
-"""Checkpoints that are complete or absent: ``torch.distributed.checkpoint`` with atomic publication.
+"""Checkpoints that are complete or absent: ``torch.distributed.checkpoint``, published atomically.
 
 ``dcp.save`` writes straight into its directory: each rank rewrites its own files, and rank 0
 writes ``.metadata`` at the end. A save over an existing checkpoint that dies part-way on one rank

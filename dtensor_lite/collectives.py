@@ -23,13 +23,14 @@ Cost model (bytes sent per rank; ``n`` = group size, ``c`` = one padded chunk in
 from __future__ import annotations
 
 import time
+import zlib
 
 import torch
 import torch.distributed as dist
 
 from ._compile import is_traced
 from ._failures import wait_work
-from .debug import _ACTIVE, _TIMERS, CommFlight, _record
+from .debug import _ACTIVE, _CHECKING, _TIMERS, CommFlight, _record
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "scatter",
            "broadcast_object", "all_reduce_cost", "flat_all_gather", "flat_reduce_scatter",
@@ -145,8 +146,52 @@ class Pending:
 
 def _issue(collective, *args, group, **kwargs):
     """Issue ``collective`` asynchronously: (its work, when the issue call began, the group)."""
+    if _CHECKING:
+        _check_buffers_agree(collective, args, group)
     started = time.perf_counter()
     return collective(*args, async_op=True, group=group, **kwargs), started, group
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """A number for ``dtype`` that every rank computes alike (to compare dtypes across ranks)."""
+    return zlib.crc32(str(dtype).encode())
+
+
+_DTYPE_OF_CODE = {dtype_code(d): d for d in vars(torch).values() if isinstance(d, torch.dtype)}
+
+
+def dtype_from_code(code: int):
+    """The dtype of ``dtype_code`` (for messages; the code itself if unknown)."""
+    return _DTYPE_OF_CODE.get(code, f"dtype#{code}")
+
+
+def _check_buffers_agree(collective, args, group) -> None:
+    """``debug.check_collectives``: every rank's (collective, input and output sizes, dtype), one
+    fixed-size row each, compared before the buffers reach the backend -- gloo aborts the process
+    on buffers of different sizes. Uneven all_to_all splits may differ by design: sizes are
+    compared only where they must be equal."""
+    tensors = [a for a in args if isinstance(a, torch.Tensor)]
+    uneven = any(isinstance(a, (list, tuple)) and a for a in args[2:])  # all_to_all splits
+    # (output, input) -- the input (last tensor argument) is the piece a rank sends
+    sizes = [-1, -1] if uneven else [tensors[0].numel(), tensors[-1].numel()]
+    name = getattr(collective, "__name__", str(collective))
+    row = torch.tensor([[zlib.crc32(name.encode()), *sizes, dtype_code(tensors[0].dtype)]],
+                       dtype=torch.int64, device=tensors[0].device)
+    n = dist.get_world_size(group)
+    rows = row.new_empty((n, row.shape[1]))
+    _all_gather_single(rows, row, group=group)
+    if (rows == rows[0]).all():
+        return
+    ranks = dist.get_process_group_ranks(group)
+    first = rows[0, 0].item()
+    seen = "; ".join(f"rank {r}: {'?' if numel < 0 else numel} x {dtype_from_code(code)}"
+                     f"{'' if kind == first else ' (in another collective)'}"
+                     for r, (kind, _, numel, code) in zip(ranks, rows.tolist()))
+    raise ValueError(
+        f"{name} over ranks {ranks}: the ranks' pieces differ ({seen}); gloo would abort the "
+        "process. The pieces were wrapped inconsistently: DTensor.from_local(run_check=False) "
+        "trusts that every rank's piece belongs to one global shape and dtype -- pass shape= "
+        "for uneven pieces, or run_check=True to check them")
 
 
 def _launch(kind: str, issued, finish, async_op: bool):

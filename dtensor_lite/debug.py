@@ -16,6 +16,8 @@ actually ran::
 """
 from __future__ import annotations
 
+import contextlib
+import os
 import threading
 import time
 from collections import defaultdict
@@ -23,7 +25,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["CommDebugMode", "CommRecord", "comm_cause", "ExposedCommMode", "ExplicitRedistributionContext",
+__all__ = ["CommDebugMode", "CommRecord", "check_collectives", "comm_cause", "ExposedCommMode", "ExplicitRedistributionContext",
            "strict_redistribute", "FallbackRedistributeWarning", "ImplicitRedistributionError",
            "reset_fallback_warnings", "MemoryTracker", "propagate_failures", "RankFailedError",
            "CollectiveFailedError"]
@@ -31,6 +33,31 @@ __all__ = ["CommDebugMode", "CommRecord", "comm_cause", "ExposedCommMode", "Expl
 _ACTIVE: list["CommDebugMode"] = []
 _TIMERS: list["ExposedCommMode"] = []
 _CAUSES: list[tuple[str, "int | str | None"]] = []  # innermost last: (op, input)
+# non-empty while collectives check that every rank's buffers agree (check_collectives)
+_CHECKING: list[bool] = [True] if os.environ.get("DTL_CHECK_COLLECTIVES", "0") not in ("", "0") \
+    else []
+
+
+@contextlib.contextmanager
+def check_collectives():
+    """Inside it, every collective first compares the ranks' buffers (kind, sizes, dtype; one
+    fixed-size all_gather of 32 bytes per rank) and raises ``ValueError`` on every rank, naming
+    each rank's buffer, where gloo would abort the process on buffers of different sizes. For
+    finding where pieces were wrapped inconsistently, e.g. ``DTensor.from_local(run_check=False)``
+    of pieces of different global shapes or dtypes. ``DTL_CHECK_COLLECTIVES=1`` turns it on for
+    the whole process. Costs one small collective per collective.
+
+    Example::
+
+        >>> with check_collectives():
+        ...     DTensor.from_local(torch.ones(3 - rank, 4), mesh, [Shard(0)]).full_tensor()
+        ValueError: all_gather_single over ranks [0, 1]: the ranks' pieces differ (rank 0: 12 x ...
+    """
+    _CHECKING.append(True)
+    try:
+        yield
+    finally:
+        _CHECKING.pop()
 UNATTRIBUTED = "(direct collective)"  # a collectives.* call made outside any labelled cause
 
 

@@ -343,7 +343,8 @@ def _killed_save(path):
     with _short_timeout_group():
         checkpoint.save(_rows(1), checkpoint_id=path)
         with _killed_before_writing(1):
-            kind, message, waited = _outcome(functools.partial(checkpoint.save, checkpoint_id=path), _rows(2))
+            kind, message, waited = _outcome(
+                functools.partial(checkpoint.save, checkpoint_id=path), _rows(2))
         assert kind == "CheckpointError", (kind, message)
         assert f"saving checkpoint {path} failed" in message and "simulated kill" in message
         assert f"{path} is as it was before this save" in message
@@ -397,8 +398,10 @@ def _damage(path: str, how: str) -> None:
 # (how, written by plain dcp.save) -> what every rank's error must say; ours are checked against
 # the sizes in the .complete marker, plain ones against the byte ranges .metadata points into
 DAMAGES = {
-    ("truncate data", False): ["damaged checkpoint", "__1_0.distcp has", "bytes but was saved with"],
-    ("truncate data", True): ["damaged checkpoint", "__1_0.distcp has", "bytes but .metadata needs"],
+    ("truncate data", False): ["damaged checkpoint", "__1_0.distcp has",
+                               "bytes but was saved with"],
+    ("truncate data", True): ["damaged checkpoint", "__1_0.distcp has",
+                              "bytes but .metadata needs"],
     ("truncate metadata", False): ["damaged checkpoint", ".metadata has 10 bytes but was saved"],
     ("truncate metadata", True): ["damaged checkpoint", ".metadata cannot be read", "truncated"],
     ("no metadata", False): ["incomplete checkpoint", "neither .metadata nor the .complete marker"],
@@ -512,7 +515,7 @@ BAD_PIECES = {
 }
 
 
-@distributed(world_size=2, timeout=60)
+@distributed(world_size=2, timeout=120)
 def test_from_local_run_check_bad_pieces_raise_on_every_rank():
     """from_local(run_check=True) with pieces that are not one global tensor raises ValueError on
     every rank, naming each rank's shape and dtype (the check used to pass different dtypes, and
@@ -533,3 +536,48 @@ def test_from_local_run_check_bad_pieces_raise_on_every_rank():
         # pieces that do form one tensor still pass, uneven ones included (7 and 6 rows)
         dt = _from_local_checked(torch.ones(7 - rank, 3), [Shard(0)])
         assert dt.shape == (13, 3) and torch.equal(dt.full_tensor(), torch.ones(13, 3))
+
+
+def _inconsistent_pieces(make):
+    """from_local(run_check=False) of ``make(rank)``, gathered: what every rank raises, and when."""
+    mesh = init_device_mesh("cpu", (2,))
+    dt = DTensor.from_local(make(dist.get_rank()), mesh, [Shard(0)])
+    return _outcome(dt.full_tensor)
+
+
+@distributed(world_size=2, timeout=120)
+def test_from_local_no_check_bad_pieces_raise_instead_of_aborting():
+    """run_check=False trusts the pieces (no communication, as in PyTorch), and pieces of
+    different global shapes or dtypes then hand gloo buffers of different sizes: the process
+    aborts (PyTorch's too). Under debug.check_collectives() every rank raises a ValueError naming
+    each rank's buffer instead; a piece resized behind its spec's back is refused before any
+    collective (that rank raises at once, its peer at the process-group timeout)."""
+    from dtensor_lite.debug import check_collectives
+
+    rank = dist.get_rank()
+    with _short_timeout_group(), check_collectives():
+        kind, message, waited = _inconsistent_pieces(lambda r: torch.ones(3 - r, 4))
+        assert kind == "ValueError" and waited < PG_TIMEOUT, (kind, message)
+        assert "the ranks' pieces differ (rank 0: 12 x torch.float32; rank 1: 8 x " \
+            "torch.float32)" in message and "pass shape=" in message, message
+        kind, message, _ = _inconsistent_pieces(
+            lambda r: torch.ones(2, 4, dtype=(torch.float32, torch.float64)[r]))
+        assert kind == "ValueError" and "rank 1: 8 x torch.float64" in message, message
+        # with the right pieces the check passes (and one check per collective is all it costs)
+        dt = DTensor.from_local(torch.full((2, 4), float(rank)), init_device_mesh("cpu", (2,)),
+                                [Shard(0)])
+        assert dt.full_tensor()[:, 0].tolist() == [0.0, 0.0, 1.0, 1.0]
+    with _short_timeout_group():
+        mesh = init_device_mesh("cpu", (2,))
+        dt = DTensor.from_local(torch.ones(2, 4), mesh, [Shard(0)])
+        if rank == 1:
+            with torch.no_grad():  # to_local() is then the piece itself, not a view of it
+                dt.to_local().resize_(1, 4)
+        kind, message, waited = _outcome(dt.full_tensor)
+        _release_after([0], "resized")
+        if rank == 1:
+            assert kind == "ValueError" and "local piece has shape (1, 4)" in message, message
+            assert "says it holds (2, 4)" in message and waited < PG_TIMEOUT
+        else:  # left alone in the all_gather: stopped by rank 1's posted error, not an abort
+            assert kind == "RankFailedError" and waited < PG_TIMEOUT, (kind, message, waited)
+            assert "rank 1: ValueError: redistribute: this rank's local piece" in message, message

@@ -9,6 +9,7 @@ import torch
 
 from .. import collectives as C
 from .._compile import is_traced
+from .._failures import post_failure
 from ..placements import LINEAR_REDUCE_OPS
 from ..spec import chunk_range
 from .planner import RedistributePlan, Step
@@ -100,7 +101,10 @@ def run_plan(local: torch.Tensor, plan: RedistributePlan, async_op: bool = False
     issued, and a ``collectives.Pending`` comes back whose ``wait()`` finishes it and runs the
     steps after it (a plan without a collective returns its result directly)."""
     steps = plan.steps
-    async_op = async_op and not is_traced(local)  # in a graph, the compiler places the waits
+    traced = is_traced(local)
+    if steps and not traced:
+        _check_piece(local, steps[0].before)
+    async_op = async_op and not traced  # in a graph, the compiler places the waits
     last = max((k for k, s in enumerate(steps) if STEP_KINDS[s.kind].collective), default=-1)
     x = local
     for k, step in enumerate(steps):
@@ -109,6 +113,21 @@ def run_plan(local: torch.Tensor, plan: RedistributePlan, async_op: bool = False
                 lambda out: _finish_plan(out, steps[k + 1:], local))
         x = _run_step(x, step)
     return _finish_plan(x, (), local) if steps else x
+
+
+def _check_piece(local: torch.Tensor, spec) -> None:
+    """The collectives are sized from the spec; a piece of another shape must not reach them
+    (pad-to-chunk would fail, or gloo would get buffers of different sizes and abort)."""
+    expected = spec.local_shape()
+    if tuple(local.shape) != tuple(expected):
+        error = ValueError(
+            f"redistribute: this rank's local piece has shape {tuple(local.shape)} but its spec "
+            f"(global shape {tuple(spec.shape)}, placements {list(spec.placements)}) says it "
+            f"holds {tuple(expected)}; the DTensor was built from an inconsistent piece (or its "
+            "local tensor was resized in place). Build it with DTensor.from_local(..., shape=) or "
+            "run_check=True")
+        post_failure(error)  # only this rank sees it: the others stop in their collective
+        raise error
 
 
 def _finish_plan(x: torch.Tensor, steps, local: torch.Tensor) -> torch.Tensor:
