@@ -22,6 +22,7 @@ Cost model (bytes sent per rank; ``n`` = group size, ``c`` = one padded chunk in
 """
 from __future__ import annotations
 
+import pickle
 import time
 import zlib
 
@@ -381,11 +382,24 @@ def broadcast_object(obj, mesh, mesh_dim: int, src_coord: int = 0):
     dg = mesh._dim_group(mesh_dim)
     if dg.size == 1:
         return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=dg.ranks[src_coord], group=dg.group)
-    # the pickled size is not known to every rank
+    # the pickled bytes' length, then the bytes: two broadcasts waited like every collective here
+    # (torch's broadcast_object_list would wait out the group's timeout for a rank that failed)
+    device = torch.device(mesh.device_type)
+    src = dg.ranks[src_coord]
+    if dg.coordinate == src_coord:
+        data = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8).to(device)
+        size = torch.tensor([data.numel()], dtype=torch.int64, device=device)
+    else:
+        size = torch.zeros(1, dtype=torch.int64, device=device)
+    _launch("broadcast_object", _issue(dist.broadcast, size, src=src, group=dg.group),
+            lambda: None, False)
+    if dg.coordinate != src_coord:
+        data = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
+    _launch("broadcast_object", _issue(dist.broadcast, data, src=src, group=dg.group),
+            lambda: None, False)
+    # the pickled size is not known to every rank in advance
     _report("broadcast_object", 0, dg.size, mesh, mesh_dim)
-    return box[0]
+    return obj if dg.coordinate == src_coord else pickle.loads(data.cpu().numpy().tobytes())
 
 
 def scatter(chunks: list[torch.Tensor] | None, out: torch.Tensor, mesh, mesh_dim: int,
