@@ -581,3 +581,72 @@ def test_from_local_no_check_bad_pieces_raise_instead_of_aborting():
         else:  # left alone in the all_gather: stopped by rank 1's posted error, not an abort
             assert kind == "RankFailedError" and waited < PG_TIMEOUT, (kind, message, waited)
             assert "rank 1: ValueError: redistribute: this rank's local piece" in message, message
+
+
+# ----------------------------------------------------------------------------- a killed save
+_KILLED_SAVE_MAIN = '''
+import datetime, os, sys, time
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemWriter
+from dtensor_lite import Shard, checkpoint, distribute_tensor, init_device_mesh
+
+path = sys.argv[1]
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=float(sys.argv[2])))
+mesh = init_device_mesh("cpu", (2,))
+rows = lambda v: {"w": distribute_tensor(torch.full((5, 2), v), mesh, [Shard(0)])}
+checkpoint.save(rows(1.0), checkpoint_id=path)          # checkpoint A
+if dist.get_rank() == 1:
+    def killed(self, plan, planner):
+        print(f"KILLED_AT {time.time()}", flush=True)
+        os._exit(9)                                      # no exception, no goodbye
+    FileSystemWriter.write_data = killed
+try:
+    checkpoint.save(rows(2.0), checkpoint_id=path)      # B, over A
+except checkpoint.CheckpointError as e:
+    print(f"SAVE_FAILED_AT {time.time()} {e}", flush=True)
+dist.destroy_process_group()
+state = {"w": torch.zeros(5, 2)}                         # one process, plain tensors
+checkpoint.load(state, checkpoint_id=path)
+print("LOADED", state["w"][:, 0].tolist(), flush=True)
+'''
+
+
+def test_checkpoint_save_with_a_rank_killed_keeps_the_previous_one(tmp_path):
+    """Two launched processes; rank 1 is killed (os._exit) while the save of B over A writes.
+    Rank 0 raises CheckpointError at the process-group timeout and A still loads whole."""
+    import socket
+    import subprocess
+    import sys
+
+    script = tmp_path / "main.py"
+    script.write_text(_KILLED_SAVE_MAIN)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    procs = []
+    for rank in range(2):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
+                   TORCH_CPP_LOG_LEVEL="ERROR", PYTHONPATH=repo, CUDA_VISIBLE_DEVICES="")
+        procs.append(subprocess.Popen(
+            [sys.executable, str(script), str(tmp_path / "ckpt"), str(PG_TIMEOUT)], env=env,
+            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
+    try:
+        outs = [p.communicate(timeout=120)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    assert procs[1].returncode == 9 and "KILLED_AT" in outs[1], outs[1]
+    killed_at = float(outs[1].split("KILLED_AT ")[1].split()[0])
+    assert procs[0].returncode == 0, outs[0]
+    failed = outs[0].split("SAVE_FAILED_AT ")[1]
+    waited = float(failed.split()[0]) - killed_at
+    assert f"saving checkpoint {tmp_path / 'ckpt'} failed" in failed, failed
+    assert "is as it was before this save" in failed, failed
+    assert waited <= PG_TIMEOUT + MARGIN, waited
+    assert "LOADED [1.0, 1.0, 1.0, 1.0, 1.0]" in outs[0], outs[0]
+    print(f"killed save: rank 0 raised {waited:.2f}s after rank 1 died: {failed[:300]}")
