@@ -26,6 +26,7 @@ from hypothesis import HealthCheck, given, settings, strategies as st
 
 from dtensor_lite import Partial, Replicate, Shard, _StridedShard
 from dtensor_lite.redistribute import plan_redistribute
+from dtensor_lite.redistribute.steps import COLLECTIVE_LATENCY_BYTES
 from dtensor_lite.spec import DTensorSpec, TensorMeta
 
 REDUCE_OPS = ("sum", "avg", "max", "min")
@@ -133,8 +134,10 @@ def step_bytes(kind, i, src_p, dst_p, shape, orders, mesh_shape, coord, itemsize
 
 def brute_force_min(shape, itemsize, mesh_shape, src_state, dst_state, ops=REDUCE_OPS,
                     floating=True):
-    """Minimum ``(bytes, collectives, steps)`` over every sequence of single-mesh-dim moves from
-    ``src_state`` to ``dst_state`` (bytes at coordinate 0, the rank with the largest pieces).
+    """``(bytes, collectives, steps)`` of the cheapest sequence of single-mesh-dim moves from
+    ``src_state`` to ``dst_state`` (bytes at coordinate 0, the rank with the largest pieces),
+    the cheapest being the least ``bytes + COLLECTIVE_LATENCY_BYTES * collectives``, then the
+    fewest collectives, then the fewest steps (the planner's alpha-beta objective).
 
     Exhaustive label-correcting search: ``best`` holds the cheapest known sequence to each state;
     whenever a state's sequence gets cheaper, it is extended again by every legal move (Partial
@@ -146,7 +149,7 @@ def brute_force_min(shape, itemsize, mesh_shape, src_state, dst_state, ops=REDUC
     ndim = len(shape)
     cands = [("R",)] + [("P", op) for op in ops] + [("S", d) for d in range(ndim)]
     zero = (0,) * len(mesh_shape)
-    best = {src_state: (0, 0, 0)}
+    best = {src_state: (0, 0, 0, 0)}  # (objective, collectives, steps, bytes)
     todo, queued = collections.deque([src_state]), {src_state}
     while todo:
         state = todo.popleft()
@@ -165,13 +168,16 @@ def brute_force_min(shape, itemsize, mesh_shape, src_state, dst_state, ops=REDUC
                     continue
                 b = step_bytes(kind, i, placements[i], q, shape, orders, mesh_shape, zero,
                                itemsize)
-                new_cost = (cost[0] + b, cost[1] + (kind in COLLECTIVES), cost[2] + 1)
+                collective = kind in COLLECTIVES
+                new_cost = (cost[0] + b + COLLECTIVE_LATENCY_BYTES * collective,
+                            cost[1] + collective, cost[2] + 1, cost[3] + b)
                 if new_state not in best or new_cost < best[new_state]:
                     best[new_state] = new_cost
                     if new_state not in queued:
                         todo.append(new_state)
                         queued.add(new_state)
-    return best[dst_state]
+    _, collectives, steps, nbytes = best[dst_state]
+    return nbytes, collectives, steps
 
 
 def public_placements(placements, orders, mesh_shape):
@@ -326,10 +332,28 @@ def test_planner_cost_is_the_brute_force_minimum(mesh_shape, data):
     itemsize = dtype.itemsize
     # every step is a legal move of the model, costed as the model costs it (also at `coord`)
     assert replay(step_dicts(plan), shape, itemsize, mesh_shape, src, coord, floating) == dst
-    # and the plan is the cheapest sequence of all: bytes first, then collectives, then steps
+    # and the plan is the cheapest sequence of all: bytes plus a latency per collective, then
+    # collectives, then steps
     best = brute_force_min(shape, itemsize, mesh_shape, src, dst, floating=floating)
     assert (plan.cost, plan.num_collectives, len(plan.steps)) == best
     # the stated cost is the busiest rank's: coordinate 0 sends at least as much as any rank
     assert plan.rank_cost <= plan.cost
     if all(c == 0 for c in coord):
         assert plan.rank_cost == plan.cost
+
+
+def test_a_second_collective_must_save_more_than_its_latency():
+    """Partial -> Shard(0) of a (2, cols) fp32 tensor on 4 ranks: 2 rows are pieces of 1, 1, 0, 0
+    (padded to 1 row each). One reduce-scatter on dim 0 sends 3 * cols * 4 B; a reduce-scatter on
+    dim 1 plus an all-to-all sends 3/4 of that. For the small weight of a user's ZeRO step (cols 8:
+    96 B vs 72 B) the second collective's latency is not worth 24 B; for cols = 2**16 it saves
+    192 KiB, more than COLLECTIVE_LATENCY_BYTES, and the two-collective plan wins."""
+    mesh = FakeMesh((4,))
+    for cols, kinds in ((8, ["reduce_scatter"]), (2 ** 16, ["reduce_scatter", "all_to_all"])):
+        src = spec_of(mesh, ((("P", "sum"),), ((), ())), (2, cols))
+        dst = spec_of(mesh, ((("S", 0),), ((0,), ())), (2, cols))
+        plan = plan_redistribute(src, dst)
+        assert [s.kind for s in plan.steps] == kinds, (cols, plan.steps)
+        back = plan_redistribute(dst, src.with_placements([Replicate()]))
+        assert [s.kind for s in back.steps] == list(reversed(
+            ["all_gather" if k == "reduce_scatter" else k for k in kinds])), (cols, back.steps)

@@ -120,6 +120,54 @@ def test_zero1_all_reduces_gradients_and_gathers_params_once():
     assert counts == [{"all_reduce": 1, "all_gather": 1}] * STEPS, counts
 
 
+def _mlp3():
+    # the last weight is (2, 8): 2 rows over 4 ranks are pieces 1, 1, 0, 0 (padded to 1 each)
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(DIM, HIDDEN), torch.nn.GELU(),
+                               torch.nn.Linear(HIDDEN, 8), torch.nn.GELU(), torch.nn.Linear(8, 2))
+
+
+@distributed(world_size=4)
+def test_zero_per_parameter_moves_each_parameter_with_one_collective_each_way():
+    """ZeRO written per parameter: optimizer state Shard(0) per parameter, each Partial gradient
+    redistributed to Shard(0) (a reduce-scatter), AdamW on the pieces, each parameter gathered
+    back to Replicate() (an all-gather). 6 parameters: exactly 6 + 6 collectives. The (2, 8)
+    weight used to take two collectives each way (a reduce-scatter on dim 1 plus an all-to-all,
+    an all-to-all plus an all-gather on dim 1): fewer padded bytes, one more collective's
+    latency; the planner now charges each collective for it."""
+    mesh = init_device_mesh("cpu", (4,))
+    reference = _mlp3()
+    model = _replicate_params(copy.deepcopy(reference), mesh)
+    params = list(model.parameters())
+    pieces = [torch.nn.Parameter(p.detach().redistribute(mesh, [Shard(0)])) for p in params]
+    opt = torch.optim.AdamW(pieces, lr=LR)
+    ref_opt = torch.optim.AdamW(reference.parameters(), lr=LR)
+    torch.manual_seed(1)
+    for _ in range(STEPS):
+        x, target = torch.randn(ROWS, DIM), torch.randn(ROWS, 2)
+        loss = (model(distribute_tensor(x, mesh, [Shard(0)])) -
+                distribute_tensor(target, mesh, [Shard(0)])).pow(2).mean()
+        loss.backward()
+        with CommDebugMode() as comm:
+            for p, piece in zip(params, pieces):
+                piece.grad = p.grad.redistribute(mesh, [Shard(0)])
+            opt.step()
+            with torch.no_grad():
+                for p, piece in zip(params, pieces):
+                    p.to_local().copy_(piece.detach().redistribute(mesh, [Replicate()]).to_local())
+        assert comm.get_comm_counts() == {"reduce_scatter": 6, "all_gather": 6}, \
+            comm.get_comm_counts_by_op()
+        assert set(comm.get_comm_counts_by_op()) == {"redistribute"}
+        for p in params:
+            p.grad = None
+        ref_loss = (reference(x) - target).pow(2).mean()
+        ref_loss.backward()
+        ref_opt.step()
+        ref_opt.zero_grad()
+        torch.testing.assert_close(loss.full_tensor(), ref_loss.detach(), rtol=1e-5, atol=0)
+    _assert_params_equal(model, reference)
+    assert all(opt.state[piece]["exp_avg"].placements == (Shard(0),) for piece in pieces)
+
 # ------------------------------------------------------------------ CommDebugMode by op
 @distributed(world_size=4)
 def test_comm_debug_mode_names_the_op_and_input_behind_each_collective():

@@ -20,7 +20,9 @@ A plan is a sequence of *steps*, each changing the placement of one mesh dim:
 
 A Shard can only be undone on the mesh dim that split the tensor dim last (innermost in the
 shard order), so the order of steps across mesh dims matters: the planner runs Dijkstra over
-states (placements + shard order) with cost ``(bytes, collectives, steps, reductions)``, passing
+states (placements + shard order) with cost ``(bytes + COLLECTIVE_LATENCY_BYTES per collective,
+collectives, steps, reductions)`` (steps.py: an extra collective must save more bytes than its
+latency is worth), passing
 through Partial(sum) where that is cheaper even if neither end is Partial. Bytes are those of
 the rank holding the largest pieces (coordinate 0 everywhere) so every rank computes the same
 plan; the plan also records what this rank itself sends, which is what CommDebugMode measures.
@@ -35,7 +37,7 @@ from dataclasses import dataclass, field
 from ..placements import Partial, Replicate, Shard, reductions_mix
 from ..spec import DTensorSpec, chunk_range
 from .. import _caches
-from .steps import STEP_KINDS, step_kind
+from .steps import COLLECTIVE_LATENCY_BYTES, STEP_KINDS, step_kind
 
 __all__ = ["Step", "RedistributePlan", "plan_redistribute", "explain_redistribute"]
 
@@ -211,8 +213,8 @@ def _search(src: DTensorSpec, dst: DTensorSpec):
                 # pad_to_partial + all_to_all + reduce_scatter, 64 B each) keeps the bit-exact
                 # gather path rather than depending on the heap's order
                 info = STEP_KINDS[kind]
-                new_cost = (cost[0] + nbytes, cost[1] + info.collective, cost[2] + 1,
-                            cost[3] + info.reduces)
+                new_cost = (cost[0] + nbytes + COLLECTIVE_LATENCY_BYTES * info.collective,
+                            cost[1] + info.collective, cost[2] + 1, cost[3] + info.reduces)
                 if new_state not in best or new_cost < best[new_state]:
                     best[new_state] = new_cost
                     parent[new_state] = (state, i, q, kind, d, e, nbytes)

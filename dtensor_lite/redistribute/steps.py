@@ -10,7 +10,16 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-__all__ = ["StepKind", "STEP_KINDS", "step_kind", "estimate_bytes"]
+__all__ = ["StepKind", "STEP_KINDS", "step_kind", "estimate_bytes", "COLLECTIVE_LATENCY_BYTES"]
+
+# What one more collective costs beyond its bytes, counted in bytes (an alpha-beta model with
+# alpha / beta in bytes): about one collective's start-up latency times a link's bandwidth --
+# ~10 us at ~6 GB/s is 64 KiB, the low end (NVLink and loopback gloo are higher). The planner
+# adds it per collective step, so a plan of two collectives must save more than this many bytes
+# over a plan of one: padding an uneven dim (a (2, 8) Partial -> Shard(0) on 4 ranks sent 96 B
+# in one reduce-scatter, or 72 B in a reduce-scatter on dim 1 plus an all-to-all) no longer buys
+# a second collective for small tensors, while large ones still take the byte-cheaper path.
+COLLECTIVE_LATENCY_BYTES = 64 * 1024
 
 
 class StepKind(NamedTuple):
