@@ -781,3 +781,49 @@ def test_batch_norm_module_on_a_batch_shard(momentum):
         y = bn(_dist(x, mesh, [Shard(0)]))
     assert comm.get_total_counts() == 0
     torch.testing.assert_close(y.full_tensor(), ref(x), rtol=1e-5, atol=1e-5)
+
+
+@distributed(world_size=4)
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("seq", [12, 13])
+def test_sequence_sharded_linear_communicates_nothing(batch, seq):
+    """(B, S, D) Shard(1) through nn.Linear with a replicated weight: each rank's rows stay local
+    (13 positions: pieces 4, 4, 4, 1). B > 1 used to gather everything at the first Linear (its
+    composite flattens (B, S) into one dim, which a rank's rows are not one block of). Backward
+    too: the input's gradient stays Shard(1), the weights' and bias's are Partial (reduced only
+    when something needs them)."""
+    import copy
+
+    mesh = init_device_mesh("cpu", (4,))
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.GELU(),
+                                    torch.nn.Linear(5, 4, bias=False))
+    model = copy.deepcopy(reference)
+    for layer in model:
+        for name, p in list(layer.named_parameters()):
+            layer.register_parameter(name, torch.nn.Parameter(
+                distribute_tensor(p.detach(), mesh, [R])))
+    x_full, w_out = torch.randn(batch, seq, 6), torch.randn(batch, seq, 4)
+    ref_x = x_full.clone().requires_grad_()
+    ref_out = reference(ref_x)
+    (ref_out * w_out).sum().backward()
+
+    x = distribute_tensor(x_full, mesh, [Shard(1)]).requires_grad_()
+    weight = distribute_tensor(w_out, mesh, [Shard(1)])
+    with CommDebugMode() as comm:
+        out = model(x)
+        assert out.placements == (Shard(1),) and out.shape == (batch, seq, 4)
+        (out * weight).sum().backward()
+    assert comm.get_total_counts() == 0, comm.get_comm_counts_by_op(by_input=True)
+    assert x.grad.placements == (Shard(1),)
+    assert all(p.grad.placements == (Partial(),) for p in model.parameters())
+    rel = dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out.full_tensor(), ref_out.detach(), **rel)
+    torch.testing.assert_close(x.grad.full_tensor(), ref_x.grad, **rel)
+    for p, ref in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), ref.grad, **rel)
+    x = x.detach()
+    with torch.inference_mode(), CommDebugMode() as comm:  # linear reaches its rule whole
+        out = model(x)
+    assert comm.get_total_counts() == 0 and out.placements == (Shard(1),)
+    torch.testing.assert_close(out.full_tensor(), ref_out.detach(), **rel)

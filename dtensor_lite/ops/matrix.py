@@ -7,9 +7,10 @@ from __future__ import annotations
 
 import torch
 
+from ..dtensor import DTensor
 from ..placements import LINEAR_REDUCE_OPS, Partial, Replicate, Shard
 from ..spec import DTensorSpec
-from ._registry import Decompose, register_rule
+from ._registry import Decompose, intercept_composite, register_rule
 
 aten = torch.ops.aten
 R = Replicate()
@@ -94,3 +95,56 @@ def _mv(call):
 
 
 # _linalg_svd: see batched.py (batch dims stay sharded, the matrix dims are gathered)
+
+
+# ------------------------------------------------------------------ linear on sequence shards
+# aten.linear is a composite: for a 3-D input it flattens (B, S, D) to (B*S, D) before addmm and
+# views the result back. With S sharded and B > 1 a rank's rows are not one block of B*S rows,
+# so that view must gather. Rows are independent under linear, though: with a replicated weight
+# and bias, each rank applies linear to its own rows (local_map; the weight's and bias's
+# gradients come back Partial, reduced only when something needs them). Other layouts keep the
+# composite, whose flattening loses nothing for them.
+def _rows_stay_local(x, weight, bias) -> bool:
+    if not isinstance(x, DTensor) or x.ndim < 3 or not isinstance(weight, DTensor) or \
+            not x._spec.has_default_order:
+        return False
+    mesh = x.device_mesh
+    for t in (weight, bias):
+        if t is not None and (not isinstance(t, DTensor) or t.device_mesh != mesh or
+                              not all(p.is_replicate() for p in t.placements)):
+            return False
+    placements = x._spec.placements
+    if any(p.is_partial() or p.is_shard(x.ndim - 1) for p in placements):
+        return False
+    return any(p.is_shard() and p.dim > 0 for p in placements)  # only these would be gathered
+
+
+def _linear_on_dtensors(input, weight, bias=None):
+    if not _rows_stay_local(input, weight, bias):
+        return aten.linear.default.decompose(input, weight, bias)
+    from .._local_map import local_map
+    out_shape = tuple(input.shape[:-1]) + (weight.shape[0],)
+    rows = local_map(torch.nn.functional.linear, out_placements=input._spec.placements,
+                     out_shape=out_shape)
+    return rows(input, weight) if bias is None else rows(input, weight, bias)
+
+
+intercept_composite(aten.linear.default, _linear_on_dtensors)
+
+
+@register_rule(aten.linear.default)
+def _linear(call):
+    # reached whole only without autograd keys (inference mode); y = x @ w.T + b
+    x, has_bias = call.inputs[0], len(call.inputs) == 3
+
+    def case(out, x_p, w_p, b_p=R):
+        return ((out,), (x_p, w_p, b_p) if has_bias else (x_p, w_p))
+
+    last = x.ndim - 1
+    cases = [case(R, R, R)]
+    cases += [case(Shard(d), Shard(d), R) for d in range(last)]       # rows stay local
+    cases.append(case(Shard(last), R, Shard(0), Shard(0)))             # output features split
+    cases.append(case(Partial("sum"), Shard(last), Shard(1), Partial("sum")))  # contraction
+    if not has_bias:
+        cases += [case(Partial(op), Partial(op), R) for op in LINEAR_REDUCE_OPS]
+    return cases
