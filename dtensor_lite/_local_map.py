@@ -118,6 +118,10 @@ def derive_grad_placements(placements, out_placements, what: str = "the input") 
         >>> derive_grad_placements([Replicate()], [[Shard(0)]])
         (Partial(sum),)
     """
+    for outs in out_placements:
+        if len(outs) != len(placements):
+            raise ValueError(f"local_map: out_placements {list(outs)} has {len(outs)} placements "
+                             f"for a {len(placements)}-D mesh; give one per mesh dim")
     grads = []
     for i, p in enumerate(placements):
         if p.is_shard():

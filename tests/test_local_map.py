@@ -237,3 +237,11 @@ def test_bad_output_pieces_raise_on_every_rank():
             f(x)
     else:
         f(x)
+
+
+@distributed(world_size=4)
+def test_out_placements_of_the_wrong_length_are_named():
+    mesh = init_device_mesh("cpu", (2, 2))
+    a = distribute_tensor(torch.randn(4, 2), mesh, [Shard(0), Replicate()]).requires_grad_()
+    with pytest.raises(ValueError, match="2-D mesh"):
+        local_map(_double, out_placements=[Shard(0)])(a)
