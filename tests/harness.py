@@ -54,7 +54,7 @@ import numpy
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistributedTestFailure", "DistributedTestTimeout", "distributed",
+__all__ = ["DistributedTestFailure", "DistributedTestTimeout", "distributed", "launch_processes",
            "reinit_process_group", "run_distributed", "shutdown_pools"]
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -476,3 +476,33 @@ def distributed(world_size: int, timeout: float = 120):
         return wrapper
 
     return decorate
+
+
+def launch_processes(script: str, world_size: int, *args: str, timeout: float = 120):
+    """Run the Python file ``script`` as ``world_size`` processes, as torchrun would start them
+    (env rendezvous: RANK, WORLD_SIZE, MASTER_ADDR/PORT; no launcher that stops the survivors),
+    with ``args`` on their command lines. Returns ``(returncodes, outputs)`` (stdout and stderr
+    together) once all exited; any still running after ``timeout`` seconds is killed. For tests
+    of what a pool worker cannot survive: a process that dies, an uncaught exception."""
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(world_size):
+        env = dict(os.environ, RANK=str(rank), WORLD_SIZE=str(world_size),
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), PYTHONPATH=REPO_ROOT,
+                   CUDA_VISIBLE_DEVICES="", **WORKER_ENV)
+        procs.append(subprocess.Popen([sys.executable, str(script), *map(str, args)], env=env,
+                                      text=True, stdout=subprocess.PIPE,
+                                      stderr=subprocess.STDOUT))
+    try:
+        outputs = [p.communicate(timeout=timeout)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    return [p.returncode for p in procs], outputs

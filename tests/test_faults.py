@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from dtensor_lite import (DTensor, Partial, Replicate, Shard, checkpoint, distribute_tensor,
                           init_device_mesh)
 from dtensor_lite import collectives as C
-from tests.harness import distributed, reinit_process_group, run_distributed
+from tests.harness import distributed, launch_processes, reinit_process_group, run_distributed
 
 R = Replicate()
 NAN = float("nan")
@@ -615,34 +615,12 @@ print("LOADED", state["w"][:, 0].tolist(), flush=True)
 def test_checkpoint_save_with_a_rank_killed_keeps_the_previous_one(tmp_path):
     """Two launched processes; rank 1 is killed (os._exit) while the save of B over A writes.
     Rank 0 raises CheckpointError at the process-group timeout and A still loads whole."""
-    import socket
-    import subprocess
-    import sys
-
     script = tmp_path / "main.py"
     script.write_text(_KILLED_SAVE_MAIN)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
-                   TORCH_CPP_LOG_LEVEL="ERROR", PYTHONPATH=repo, CUDA_VISIBLE_DEVICES="")
-        procs.append(subprocess.Popen(
-            [sys.executable, str(script), str(tmp_path / "ckpt"), str(PG_TIMEOUT)], env=env,
-            text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    try:
-        outs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    assert procs[1].returncode == 9 and "KILLED_AT" in outs[1], outs[1]
+    codes, outs = launch_processes(script, 2, tmp_path / "ckpt", PG_TIMEOUT)
+    assert codes[1] == 9 and "KILLED_AT" in outs[1], outs[1]
     killed_at = float(outs[1].split("KILLED_AT ")[1].split()[0])
-    assert procs[0].returncode == 0, outs[0]
+    assert codes[0] == 0, outs[0]
     failed = outs[0].split("SAVE_FAILED_AT ")[1]
     waited = float(failed.split()[0]) - killed_at
     assert f"saving checkpoint {tmp_path / 'ckpt'} failed" in failed, failed

@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from dtensor_lite import Replicate, Shard, distribute_tensor, init_device_mesh
 from dtensor_lite.debug import propagate_failures
-from tests.harness import reinit_process_group, run_distributed
+from tests.harness import launch_processes, reinit_process_group, run_distributed
 
 R = Replicate()
 GROUP_TIMEOUT = 3.0  # seconds: the default group's timeout in these tests
@@ -306,31 +306,9 @@ def test_uncaught_exception_in_a_launched_job_stops_the_other_rank(tmp_path):
     to kill the survivor): rank 1's uncaught exception reaches the excepthook the mesh chained;
     rank 0 stops within a poll interval naming it, and its process exits non-zero long before
     the group timeout."""
-    import os
-    import socket
-    import subprocess
-    import sys
-
     script = tmp_path / "main.py"
     script.write_text(_LAUNCHED_MAIN)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), OMP_NUM_THREADS="1", GLOO_SOCKET_IFNAME="lo",
-                   TORCH_CPP_LOG_LEVEL="ERROR", PYTHONPATH=repo, CUDA_VISIBLE_DEVICES="")
-        procs.append(subprocess.Popen([sys.executable, str(script)], env=env, text=True,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT))
-    try:
-        outs = [p.communicate(timeout=120)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+    codes, outs = launch_processes(script, 2)
     ended = time.time()
     stamps = {}
     for out in outs:
@@ -338,8 +316,8 @@ def test_uncaught_exception_in_a_launched_job_stops_the_other_rank(tmp_path):
             if line.startswith(("FAILED_AT", "STOPPED_AT")):
                 key, value = line.split()
                 stamps[key] = float(value)
-    assert procs[1].returncode != 0 and "ValueError: bad batch on rank 1" in outs[1], outs[1]
-    assert procs[0].returncode != 0, outs[0]
+    assert codes[1] != 0 and "ValueError: bad batch on rank 1" in outs[1], outs[1]
+    assert codes[0] != 0, outs[0]
     assert "RankFailedError" in outs[0] and "rank 1: ValueError: bad batch on rank 1" in outs[0]
     assert stamps["STOPPED_AT"] - stamps["FAILED_AT"] < MARGIN, stamps
     assert ended - stamps["FAILED_AT"] < 30, "the processes outlived half the group timeout"
