@@ -318,7 +318,7 @@ def _one_case(info, sample, mesh, codes, seed):
             continue
         w = torch.zeros_like(plain_leaves[k]) if w is None else w
         g = torch.zeros_like(w) if g is None else g
-        _compare(g, w, f"grad of input")
+        _compare(g, w, "grad of input")
 
 
 def _outcome_code(status):

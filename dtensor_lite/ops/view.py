@@ -302,7 +302,6 @@ _view_local = _viewing(aten.view.default)
 @register_rule(aten.view.default, aten._unsafe_view.default, aten.reshape.default)
 @_rejects_bad_calls
 def _view(call):
-    spec = call.inputs[0]
     out_shape = tuple(_global_out(call, aten.reshape.default).shape)
     return _reshape_strategy(call, out_shape, _viewing(call.op))
 
@@ -311,7 +310,6 @@ def _view(call):
                aten.flatten.using_ints, aten.unflatten.int)
 @_rejects_bad_calls
 def _squeeze_like(call):
-    spec = call.inputs[0]
     out_shape = tuple(_global_out(call).shape)
     return _reshape_strategy(call, out_shape, _view_local)
 
@@ -486,8 +484,8 @@ def _backward_rows_held(gspec, out_spec, d, start, length, step):
 
 
 def _aligned_slice_backward(gspec, out_spec, d, start, length, step):
-    (g_shape, g_off), (o_shape, o_off) = (gspec.local_shape_and_offset(),
-                                          out_spec.local_shape_and_offset())
+    (_, g_off), (o_shape, o_off) = (gspec.local_shape_and_offset(),
+                                    out_spec.local_shape_and_offset())
     jlo, jhi = _rows_landing(o_off[d], o_shape[d], start, length, step)
     local_sizes = list(o_shape)
     lstart = start + jlo * step - o_off[d]
