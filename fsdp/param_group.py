@@ -159,6 +159,16 @@ class ParamGroup:
             return False
         return n is True or (not isinstance(n, bool) and n > 1)
 
+    def _all_gather_async(self) -> bool:
+        """Whether to issue this all-gather asynchronously. Always on CUDA. On CPU only outside
+        backward: a prefetched forward all-gather then runs on gloo's threads beside the current
+        block's compute (3-6% faster steps), and costs nothing at the step's peak, which is in
+        backward -- there, gloo's private copy of an in-flight all-gather would add a block."""
+        if self.streams.async_collectives:
+            return True
+        ctx = self.root_ctx
+        return ctx is not None and not ctx.in_backward
+
     def start_unshard(self):
         """Issue the all-gather (asynchronously); ``wait_unshard`` finishes it."""
         if self.state is ShardState.UNSHARDED or self._pending_ag is not None:
@@ -171,7 +181,7 @@ class ParamGroup:
                 with self.streams.side("all_gather"), comm_cause("fsdp.all_gather"):
                     out = inp.new_empty(inp.numel() * mesh.size(dim))
                     work = C.flat_all_gather(out, inp, mesh, dim,
-                                             async_op=self.streams.async_collectives)
+                                             async_op=self._all_gather_async())
                 self._pending_ag = _PendingAllGather(work, inp, out, layout, info.shard_size, True)
                 return
             for p in self.params:
@@ -200,7 +210,7 @@ class ParamGroup:
                 if world > 1 and layout.chunk:
                     with comm_cause("fsdp.all_gather"):
                         work = C.flat_all_gather(out, inp, info.mesh, info.shard_dim,
-                                                 async_op=self.streams.async_collectives)
+                                                 async_op=self._all_gather_async())
             self._pending_ag = _PendingAllGather(work, inp, out, layout, world, False)
 
     def wait_unshard(self, keep_post_forward_piece: bool = False):

@@ -3,9 +3,10 @@
 The schedule is the same on every device: copy the shards in, *issue* the collective
 asynchronously, and wait for its work handle only where the result is consumed (copy-out in
 pre-forward / pre-backward) or where its buffers must go (a reduce-scatter is finished at the next
-group's pre-backward, or at the end of backward). On CPU the collectives complete before the call returns (``Streams.async_collectives``: gloo's
-asynchronous collectives hold a private copy of their buffer while in flight); copies run in the
-caller's order.
+group's pre-backward, or at the end of backward). On CPU only the forward's all-gathers are
+asynchronous; backward's collectives complete before the call returns (``Streams.async_collectives``:
+gloo's asynchronous collectives hold a private copy of their buffer while in flight, which in
+backward, where the step peaks, adds a block); copies run in the caller's order.
 
 On CUDA, copy-in and gradient packing run on two side streams so they overlap with compute, and
 NCCL runs the collectives on its own stream, ordered after the side stream that issued them;
@@ -51,8 +52,8 @@ class Streams:
         # whether collectives are issued asynchronously. On CUDA they overlap compute for free.
         # On CPU, gloo runs an asynchronous all-gather / reduce-scatter on its own threads into a
         # private full-size copy that lives until the collective ends, i.e. beside the compute it
-        # overlaps, on the same cores: so there FSDP's collectives complete before the call
-        # returns, as torch's fully_shard does on CPU
+        # overlaps: so there FSDP's backward collectives complete before the call returns (the
+        # forward's all-gathers stay asynchronous: ParamGroup._all_gather_async)
         self.async_collectives = self.is_cuda
         if self.is_cuda:
             # high priority: a copy-in that waits behind a long compute kernel delays the all-gather
