@@ -250,10 +250,7 @@ def _chunks_to_group_order(inp: torch.Tensor, dg) -> torch.Tensor:
     if dg.is_sorted:
         return inp
     chunks = inp.chunk(dg.size)
-    coord_of_group = [0] * dg.size
-    for coord, g in enumerate(dg.group_rank_of_coord):
-        coord_of_group[g] = coord
-    return torch.cat([chunks[c] for c in coord_of_group])
+    return torch.cat([chunks[c] for c in dg.coord_of_group_rank])
 
 
 def all_gather(tensor: torch.Tensor, mesh, mesh_dim: int, gather_dim: int = 0,
@@ -467,9 +464,8 @@ def _split_to_group_order(x: torch.Tensor, splits: list[int], dg):
     if dg.is_sorted:
         return x, splits
     pieces = x.split(splits)
-    coord_of_group = sorted(range(dg.size), key=lambda c: dg.group_rank_of_coord[c])
-    return (torch.cat([pieces[c] for c in coord_of_group]),
-            [splits[c] for c in coord_of_group])
+    return (torch.cat([pieces[c] for c in dg.coord_of_group_rank]),
+            [splits[c] for c in dg.coord_of_group_rank])
 
 
 def all_to_all_single(tensor: torch.Tensor, mesh, mesh_dim: int, output_split_sizes=None,
@@ -503,9 +499,8 @@ def all_to_all_single(tensor: torch.Tensor, mesh, mesh_dim: int, output_split_si
     def finish():
         res = out
         if not dg.is_sorted:  # group order back to mesh-coordinate order
-            pieces = dict(zip(sorted(range(n), key=lambda c: dg.group_rank_of_coord[c]),
-                              out.split(group_out)))
-            res = torch.cat([pieces[c] for c in range(n)])
+            pieces = out.split(group_out)
+            res = torch.cat([pieces[g] for g in dg.group_rank_of_coord])
         return _unwire(res, tensor)
     return _launch("all_to_all", work, finish, async_op)
 

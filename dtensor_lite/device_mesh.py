@@ -24,10 +24,11 @@ class _DimGroup:
 
     ``ranks`` are the global ranks of this rank's row, in mesh-coordinate order. torch's
     ``new_group`` numbers group members in sorted global-rank order, so when a row is not sorted
-    the collectives layer reorders chunks with ``coord_of_group_rank``.
+    the collectives layer reorders chunks with ``group_rank_of_coord`` / ``coord_of_group_rank``.
     """
 
-    __slots__ = ("group", "ranks", "size", "coordinate", "group_rank_of_coord", "is_sorted")
+    __slots__ = ("group", "ranks", "size", "coordinate", "group_rank_of_coord",
+                 "coord_of_group_rank", "is_sorted")
 
     def __init__(self, group, ranks: tuple[int, ...], my_rank: int):
         self.group = group
@@ -38,6 +39,8 @@ class _DimGroup:
         self.is_sorted = list(ranks) == sorted_ranks
         # group rank g holds the rank sorted_ranks[g]; its mesh coordinate is ranks.index(...)
         self.group_rank_of_coord = tuple(sorted_ranks.index(r) for r in ranks)
+        # the inverse: the mesh coordinate of group rank g
+        self.coord_of_group_rank = tuple(ranks.index(r) for r in sorted_ranks)
 
 
 class _GroupCache:
