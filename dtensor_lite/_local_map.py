@@ -18,7 +18,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .debug import comm_cause
-from .dtensor import DTensor, _checked_global_shape
+from ._piece_check import checked_global_shape
+from .dtensor import DTensor
 from .placements import Partial, Placement, Replicate
 
 __all__ = ["local_map", "derive_grad_placements"]
@@ -216,8 +217,8 @@ def _wrap_one(o, placements, shape, mesh, fname: str, j: int, inputs):
             shape, source = like[1].shape, f"input {like[0]} (laid out {list(placements)})"
         else:
             with comm_cause(fname, "out_shape"):
-                return DTensor.from_local(o, mesh, placements, shape=_checked_global_shape(
-                    o, mesh, placements, None, check_replicas=False))
+                return DTensor.from_local(o, mesh, placements, shape=checked_global_shape(
+                    o, mesh, placements, what=f"local_map: {what}"))
     if shape is None:
         return DTensor.from_local(o, mesh, placements)  # no Shard: global = local
     try:

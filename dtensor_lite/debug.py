@@ -85,12 +85,16 @@ class comm_cause:
         return False
 
 
-def outermost_cause(label: str) -> "comm_cause | None":
+_NO_CAUSE = contextlib.nullcontext()
+
+
+def outermost_cause(label: str):
     """``comm_cause(label)`` unless a cause is already labelled (an op that redistributes as
-    part of its own work keeps the op's label), or None; only while a CommDebugMode records."""
+    part of its own work keeps the op's label), only while a CommDebugMode records; otherwise a
+    context that does nothing."""
     if _ACTIVE and not _CAUSES:
         return comm_cause(label)
-    return None
+    return _NO_CAUSE
 
 
 class CommRecord(NamedTuple):

@@ -8,8 +8,6 @@ transpose of the forward (the gradient of Shard->Replicate comes back as Partial
 """
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.distributed as dist
 
@@ -155,7 +153,7 @@ class DTensor(torch.Tensor):
         if local_tensor.device.type != mesh.device_type and local_tensor.device.type != "meta":
             local_tensor = local_tensor.to(mesh.device_type)
         if run_check:
-            with debug.outermost_cause("from_local(run_check)") or _NO_LABEL:
+            with debug.outermost_cause("from_local(run_check)"):
                 shape = _checked_global_shape(local_tensor, mesh, placements, shape, stride=stride)
         if shape is None:
             shape = list(local_tensor.shape)
@@ -211,9 +209,6 @@ class DTensor(torch.Tensor):
 register_constants(DeviceMesh, DTensorSpec, Shard, _StridedShard, Replicate, Partial)
 
 
-_NO_LABEL = contextlib.nullcontext()
-
-
 def _rebuild_dtensor(local, spec, requires_grad):
     return DTensor(local, spec, requires_grad=requires_grad)
 
@@ -251,7 +246,7 @@ class _FromLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        with debug.outermost_cause("from_local.backward") or _NO_LABEL:
+        with debug.outermost_cause("from_local.backward"):
             return _FromLocal._backward(ctx, grad)
 
     @staticmethod
@@ -314,14 +309,14 @@ class _Redistribute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dt, dst, async_op):
         ctx.src, ctx.async_op = dt._spec, async_op
-        with debug.outermost_cause("redistribute") or _NO_LABEL:
+        with debug.outermost_cause("redistribute"):
             return _redistributed(dt, dst, async_op)
 
     @staticmethod
     def backward(ctx, grad):
         grad = _as_grad_dtensor(grad, ctx.src)
         target = _grad_target(ctx.src, grad._spec)
-        with debug.outermost_cause("redistribute.backward") or _NO_LABEL:
+        with debug.outermost_cause("redistribute.backward"):
             return _redistributed(grad, target, ctx.async_op), None, None
 
 
@@ -344,15 +339,12 @@ def _default_mesh(like: torch.Tensor) -> DeviceMesh:
     return mesh
 
 
-def _checked_global_shape(local, mesh, placements, shape, check_replicas: bool = True,
-                          stride=None):
+def _checked_global_shape(local, mesh, placements, shape, stride=None):
     """Every rank's piece metadata, exchanged to derive the exact global shape (run_check=True);
     see ``_piece_check``: pieces of different sizes, dims or dtypes make every rank raise the
-    same ValueError before anything sized by a piece crosses ranks (gloo would abort).
-
-    ``check_replicas=False`` skips comparing the Replicate pieces' values (a broadcast of the
-    data): for callers that only need the shape (local_map, tp's layout hooks).
-    """
+    same ValueError before anything sized by a piece crosses ranks (gloo would abort). Then the
+    Replicate pieces' values are compared (callers that need only the shape -- local_map, tp's
+    layout hooks -- call ``_piece_check.checked_global_shape``)."""
     from .collectives import all_reduce, broadcast
     from ._piece_check import checked_global_shape
     global_shape = checked_global_shape(local, mesh, placements, shape, stride)
@@ -365,13 +357,13 @@ def _checked_global_shape(local, mesh, placements, shape, check_replicas: bool =
 
     device = local.device if local.device.type != "meta" else "cpu"
     differs = []
-    for i, p in enumerate(placements if check_replicas else ()):
+    for i, p in enumerate(placements):
         if p.is_replicate():
             ref = local.clone()
             broadcast(ref, mesh, i, 0)
             if not torch.equal(ref, local):
                 differs.append(i)
-    if check_replicas and any(p.is_replicate() for p in placements) and everywhere_max([int(bool(differs))])[0]:
+    if any(p.is_replicate() for p in placements) and everywhere_max([int(bool(differs))])[0]:
         where = (f"rank {mesh.get_rank()} differs from coordinate 0 on mesh dims {differs}"
                  if differs else f"rank {mesh.get_rank()} matches; another rank differs")
         raise ValueError(
