@@ -126,15 +126,14 @@ class RootContext:
         for g in self.groups:
             g.take_grads()
             g.prefetched_in_backward = False
+            g.uses_pending = 0
+            g.needs_reduce = False
             if g.state is not ShardState.SHARDED or g._pending_ag is not None:
                 g.reshard()
         for st in self.states:
             st.to_run.clear()
             st.running.clear()
         self.in_backward = False
-        for g in self.groups:
-            g.uses_pending = 0
-            g.needs_reduce = False
         # a backward retried on the same (retained) graph re-arms every forward use; a new
         # forward starts a new iteration anyway
         self.backward_ran = True
