@@ -232,21 +232,32 @@ def test_embedding(style, num_embeddings):
                                                 num_embeddings - 4)
 
 
-@distributed(world_size=2, timeout=60)
-def test_sequence_parallel_and_prepare_styles():
-    mesh = init_device_mesh("cpu", (2,))
-    x = torch.randn(2, 6, 4)
+def _sequence_parallel_norm(mesh):
+    """A LayerNorm(4) under SequenceParallel and an unsharded copy of it as the reference."""
     norm = nn.LayerNorm(4)
     norm.weight.data.uniform_()
     ref = copy.deepcopy(norm)
     parallelize_module(norm, mesh, SequenceParallel())
-    assert norm.weight.placements == (Replicate(),)
-    out = norm(_local_shard(x, mesh, 1))
-    assert isinstance(out, DTensor) and out.placements == (Shard(1),)
+    return norm, ref
+
+
+def _assert_norm_matches(out, x, norm, ref):
+    """``out`` (norm's output on ``x``) and the weight gradient equal the reference's."""
     torch.testing.assert_close(out.full_tensor(), ref(x))
     out.full_tensor().sum().backward()  # the weight gradient is summed over the sequence shards
     ref(x).sum().backward()
     torch.testing.assert_close(norm.weight.grad.full_tensor(), ref.weight.grad)
+
+
+@distributed(world_size=2, timeout=60)
+def test_sequence_parallel_and_prepare_styles():
+    mesh = init_device_mesh("cpu", (2,))
+    x = torch.randn(2, 6, 4)
+    norm, ref = _sequence_parallel_norm(mesh)
+    assert norm.weight.placements == (Replicate(),)
+    out = norm(_local_shard(x, mesh, 1))
+    assert isinstance(out, DTensor) and out.placements == (Shard(1),)
+    _assert_norm_matches(out, x, norm, ref)
 
     class Two(nn.Module):
         def forward(self, a, scale, *, b):
@@ -274,20 +285,14 @@ def test_sequence_parallel_uneven_local_pieces():
     one exchange of the pieces' sizes (PyTorch assumes 2 x local and aborts inside gloo)."""
     mesh = init_device_mesh("cpu", (2,))
     x = torch.randn(2, 5, 4)
-    norm = nn.LayerNorm(4)
-    norm.weight.data.uniform_()
-    ref = copy.deepcopy(norm)
-    parallelize_module(norm, mesh, SequenceParallel())
+    norm, ref = _sequence_parallel_norm(mesh)
     local = _local_shard(x, mesh, 1)
     assert local.shape[1] == (3, 2)[mesh.get_rank()]
     with CommDebugMode() as comm:
         out = norm(local)
     assert comm.get_comm_counts() == {"all_gather": 1}  # the pieces' sizes, once
     assert out.shape == x.shape and out.placements == (Shard(1),)
-    torch.testing.assert_close(out.full_tensor(), ref(x))
-    out.full_tensor().sum().backward()
-    ref(x).sum().backward()
-    torch.testing.assert_close(norm.weight.grad.full_tensor(), ref.weight.grad)
+    _assert_norm_matches(out, x, norm, ref)
     with CommDebugMode() as comm:  # a DTensor input carries its global shape: no exchange
         norm(out.detach())
     assert comm.get_total_counts() == 0
