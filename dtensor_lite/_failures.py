@@ -39,6 +39,8 @@ import time
 import torch
 import torch.distributed as dist
 
+from . import _caches
+
 __all__ = ["RankFailedError", "CollectiveFailedError", "POLL_INTERVAL", "post_failure",
            "posted_failure", "propagate_failures", "wait_work", "on_kernel_error",
            "install_excepthook"]
@@ -169,7 +171,9 @@ def install_excepthook() -> None:
 
 
 # ------------------------------------------------------------------ waiting
-_SLICEABLE: dict = {}  # process group -> whether its waits block the caller (gloo)
+# process group -> whether its waits block the caller (gloo); keyed by groups, so dropped with
+# them when the default group changes
+_SLICEABLE: dict = _caches.register({})
 
 
 def _sliceable(group) -> bool:
