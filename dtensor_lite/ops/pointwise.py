@@ -55,8 +55,8 @@ _COPY = {"clone", "alias", "detach", "lift_fresh", "positive", "_conj", "resolve
 # to a number (sign, sgn, nan_to_num; fmax / fmin below) would let one rank's NaN be outvoted.
 _NON_DECREASING = {
     "asinh", "atan", "ceil", "deg2rad", "erf", "exp", "exp2", "expm1", "floor", "rad2deg",
-    "relu", "relu6", "round", "sigmoid", "sinh", "tanh", "trunc", "hardshrink", "hardtanh", "hardsigmoid", "softplus", "selu", "special_i1", "clamp",
-    "clamp_min", "clamp_max", "clip",
+    "relu", "relu6", "round", "sigmoid", "sinh", "tanh", "trunc", "hardshrink", "hardtanh",
+    "hardsigmoid", "softplus", "selu", "special_i1", "clamp", "clamp_min", "clamp_max", "clip",
 }
 _NON_INCREASING = {"erfc"}
 _MAXIMUM = {"maximum", "max"}        # max.other: the binary elementwise overload

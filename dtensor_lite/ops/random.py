@@ -50,8 +50,9 @@ def set_rng_sync_mode(mode: str) -> None:
     """When random DTensor ops check that ranks share the generator state.
 
     ``"always"`` (default): before every random op, one all-reduce of two int64 per mesh dim
-    (tens of microseconds on gloo; a rank that re-seeded or drew plain random numbers on its
-    own is caught at the next random DTensor op, every rank alike).
+    (one small collective's latency: 0.5-0.7 ms measured for a 64x64 dropout on 2 gloo ranks
+    of a 2-core box, a host sync on CUDA; a rank that re-seeded or drew plain random numbers on
+    its own is caught at the next random DTensor op, every rank alike).
     ``"once"``: on the first random op over a given set of ranks (and generator), then never
     again (no communication afterwards; ranks re-seeded differently later are *not* detected:
     their replicated values silently differ).
