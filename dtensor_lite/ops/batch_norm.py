@@ -38,7 +38,7 @@ from ..placements import Partial, Replicate, Shard
 from ..redistribute.local import redistribute_local
 from ..spec import DTensorSpec, TensorMeta
 from ._registry import Decompose, FullStrategy, register_rule
-from .kit import arg, choose, input_names, replace_args, strategy
+from .kit import arg, bound_args, choose, input_names, replace_args, strategy
 from .nn import all_reduce_over
 
 aten = torch.ops.aten
@@ -125,17 +125,6 @@ def _per_channel(v, ndim):
     return v.reshape((1, -1) + (1,) * (ndim - 2))
 
 
-def _bound(op, args, kwargs) -> dict:
-    """The op's arguments by schema name (the local function gets them as the op would)."""
-    out = {}
-    for k, a in enumerate(op._schema.arguments):
-        if k < len(args):
-            out[a.name] = args[k]
-        else:
-            out[a.name] = kwargs.get(a.name, a.default_value if a.has_default_value() else None)
-    return out
-
-
 # ----------------------------------------------------------------------------- forward
 def _is_training(call) -> bool:
     how = _FORWARD[call.op]
@@ -179,7 +168,7 @@ def _eval_forward(op, *args, **kwargs):
     the running statistics; nothing moves). Not the op itself on local pieces: on CPU its saved
     statistics are empty tensors while its meta kernel promises C-sized ones, so no output spec
     could describe them both."""
-    a = _bound(op, args, kwargs)
+    a = bound_args(op, args, kwargs)
     x, w, b = a["input"], a["weight"], a["bias"]
     if a["running_mean"] is None or a["running_var"] is None:
         raise RuntimeError(f"{op}: evaluation mode needs running_mean and running_var (got "
@@ -216,7 +205,7 @@ def _batch_stats(xa, mesh, mesh_dims, count):
 
 
 def _train_forward(*args, op, n_out, mesh, mesh_dims, count, stats, running, dtypes, **kwargs):
-    a = _bound(op, args, kwargs)
+    a = bound_args(op, args, kwargs)
     x, w, b, eps = a["input"], a["weight"], a["bias"], a["eps"]
     xa = x.to(_acc(x.dtype))
     mean, m2, centered = _batch_stats(xa, mesh, mesh_dims, count)
@@ -270,7 +259,7 @@ def _batch_norm_backward(call):
 
 
 def _train_backward(*args, op, mesh, mesh_dims, count, dtypes, **kwargs):
-    a = _bound(op, args, kwargs)
+    a = bound_args(op, args, kwargs)
     dy, x, w = a["grad_out"], a["input"], a["weight"]
     mean = a["save_mean"]
     invstd = a["save_invstd"] if "save_invstd" in a else a["save_var"]  # CPU saves invstd
@@ -300,7 +289,7 @@ def _eval_backward(*args, op, dtypes, **kwargs):
     """Evaluation mode's backward on this rank's piece: dy * invstd * w, and the parameter
     gradients as this piece's sums (Partial). Not torch's kernel: it dies of a division by zero
     on a piece with no channels, which an uneven channel shard gives a rank."""
-    a = _bound(op, args, kwargs)
+    a = bound_args(op, args, kwargs)
     dy, x, w, mask = a["grad_out"], a["input"], a["weight"], a["output_mask"]
     acc = _acc(x.dtype)
     nd = x.ndim
@@ -338,7 +327,7 @@ def _with_local_n(op, name, *args, **kwargs):
     """``op`` with its sample count ``N`` (global in the call) set to this rank's piece's. The
     kernel wants contiguous tensors (F.group_norm makes its input so; a piece gathered along a
     later dim is a strided view)."""
-    n = _bound(op, args, kwargs)[name].shape[0]
+    n = bound_args(op, args, kwargs)[name].shape[0]
     args = [a.contiguous() if isinstance(a, torch.Tensor) else a for a in args]
     kwargs = {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
     args, kwargs = replace_args(op, args, kwargs, N=n)

@@ -16,23 +16,34 @@ from ..spec import DTensorSpec
 from ._expansion import expand_strategies
 from ._registry import FullStrategy
 
-__all__ = ["arg", "arg_at", "input_names", "input_locations", "mutated_input", "strategy",
-           "replace_args", "choose", "target_spec", "empty_piece_safe"]
+__all__ = ["arg", "arg_at", "bound_args", "input_names", "input_locations", "mutated_input",
+           "strategy", "replace_args", "choose", "target_spec", "empty_piece_safe"]
 
 R = Replicate()
 
 
 # ----------------------------------------------------------------------------- arguments
+def _value(k, a, args, kwargs):
+    """Argument ``a`` (schema position ``k``): positional, keyword, or the schema default."""
+    if k < len(args):
+        return args[k]
+    if a.name in kwargs:
+        return kwargs[a.name]
+    return a.default_value if a.has_default_value() else None
+
+
 def arg(call, name):
     """The value of argument ``name`` (positional or keyword; the schema default if omitted)."""
     for k, a in enumerate(call.op._schema.arguments):
         if a.name == name:
-            if k < len(call.args):
-                return call.args[k]
-            if name in call.kwargs:
-                return call.kwargs[name]
-            return a.default_value if a.has_default_value() else None
+            return _value(k, a, call.args, call.kwargs)
     raise KeyError(f"{call.op} has no argument {name!r}")
+
+
+def bound_args(op, args, kwargs) -> dict:
+    """Every argument of ``op`` by schema name, as ``arg`` reads one: for a local function that
+    gets the op's arguments as the op would."""
+    return {a.name: _value(k, a, args, kwargs) for k, a in enumerate(op._schema.arguments)}
 
 
 def arg_at(call, pos, name=None, default=None):
