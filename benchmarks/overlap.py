@@ -55,9 +55,7 @@ CFG = LlamaConfig(vocab_size=1024, dim=256, n_layers=4, n_heads=8, ffn_dim=704, 
 BATCH, SEQ = 8, 65
 CASES = {"fsdp4": {"dp_shard": 4}, "fsdp2xtp2": {"dp_shard": 2, "tp": 2}}
 MODES = ("off", "default", "explicit")
-# ours-async: ours with FSDP's collectives issued asynchronously on CPU too (fsdp.streams.Streams
-# .async_collectives; the library default on CPU is synchronous, as torch's fully_shard is there)
-IMPLS = ("ours", "ours-async", "torch")
+IMPLS = ("ours", "torch")
 
 
 # ----------------------------------------------------------------------------- torch's clocks
@@ -164,9 +162,6 @@ def bench(cases, modes, impls, steps: int, warmup: int) -> list[dict]:
             for key, (model, opt, dp_rank, dp) in runs.items():
                 per = BATCH // dp
                 mine = tokens[dp_rank * per:(dp_rank + 1) * per]
-                if key[0] != "torch":
-                    from fsdp.streams import Streams
-                    Streams.shared(torch.device("cpu")).async_collectives = key[0] == "ours-async"
                 clock = _TorchCommTimer() if key[0] == "torch" else ExposedCommMode()
                 dist.barrier()
                 start = time.perf_counter()

@@ -209,10 +209,10 @@ def wait_work(work, kind: str, group) -> None:
     if not _sliceable(group):
         work.wait()
         return
-    if kind == "reduce_scatter" or getattr(work, "timed_wait_aborts", False):
+    if getattr(work, "timed_wait_aborts", kind == "reduce_scatter"):
         # gloo's reduce_scatter work ignores wait's timeout (and has no future), and a send /
         # receive pair is closed by a timed-out wait: wait for those on a thread of their own
-        # and watch the store from here
+        # and watch the store from here (works dtensor_lite wraps say which they are)
         _wait_on_thread(work, kind, group)
         return
     while True:

@@ -241,6 +241,12 @@ class FSDPParam:
             for t in self._inner:
                 t.untyped_storage().resize_(0)
 
+    def shares_storage(self, t: torch.Tensor) -> bool:
+        """Whether the unsharded data lives in ``t``'s storage (an extension's zero-copy views)."""
+        ptr = t.untyped_storage().data_ptr()
+        return any(x.untyped_storage().data_ptr() == ptr
+                   for x in ([self.raw] if self.raw is not None else []) + list(self._inner))
+
     def unsharded_nbytes(self) -> int:
         """Bytes currently held by the unsharded data (0 when resharded)."""
         if self.raw is None:

@@ -159,16 +159,6 @@ class ParamGroup:
             return False
         return n is True or (not isinstance(n, bool) and n > 1)
 
-    def _all_gather_async(self) -> bool:
-        """Whether to issue this all-gather asynchronously. Always on CUDA. On CPU only outside
-        backward: a prefetched forward all-gather then runs on gloo's threads beside the current
-        block's compute (3-6% faster steps), and costs nothing at the step's peak, which is in
-        backward -- there, gloo's private copy of an in-flight all-gather would add a block."""
-        if self.streams.async_collectives:
-            return True
-        ctx = self.root_ctx
-        return ctx is not None and not ctx.in_backward
-
     def start_unshard(self):
         """Issue the all-gather (asynchronously); ``wait_unshard`` finishes it."""
         if self.state is ShardState.UNSHARDED or self._pending_ag is not None:
@@ -180,8 +170,7 @@ class ParamGroup:
                 inp, layout = self._post_forward_buf, self._post_forward_layout
                 with self.streams.side("all_gather"), comm_cause("fsdp.all_gather"):
                     out = inp.new_empty(inp.numel() * mesh.size(dim))
-                    work = C.flat_all_gather(out, inp, mesh, dim,
-                                             async_op=self._all_gather_async())
+                    work = C.flat_all_gather(out, inp, mesh, dim, async_op=True)
                 self._pending_ag = _PendingAllGather(work, inp, out, layout, info.shard_size, True)
                 return
             for p in self.params:
@@ -210,7 +199,7 @@ class ParamGroup:
                 if world > 1 and layout.chunk:
                     with comm_cause("fsdp.all_gather"):
                         work = C.flat_all_gather(out, inp, info.mesh, info.shard_dim,
-                                                 async_op=self._all_gather_async())
+                                                 async_op=True)
             self._pending_ag = _PendingAllGather(work, inp, out, layout, world, False)
 
     def wait_unshard(self, keep_post_forward_piece: bool = False):
@@ -236,6 +225,10 @@ class ParamGroup:
                 self._post_forward_n_at_reshard = n
             for p, segments in zip(self.params, pending.layout.outputs(pending.out, pending.world)):
                 p.copy_out(segments, pending.world, self.param_dtype)
+            # copied out; an extension's fsdp_post_all_gather may have kept views of it instead
+            if pending.work is not None and not any(p.shares_storage(pending.out)
+                                                    for p in self.params):
+                self.streams.release(pending.out)
         self.state = ShardState.UNSHARDED
         # unsharded <=> modules show unsharded tensors (a forward use replaces these with
         # autograd-tracked ones)
@@ -324,7 +317,7 @@ class ParamGroup:
                 if world > 1 and pos:
                     with comm_cause("fsdp.reduce_scatter"):
                         work = C.flat_reduce_scatter(out, inp, info.mesh, info.shard_dim, "sum",
-                                                     async_op=self.streams.async_collectives)
+                                                     async_op=True)
                 else:
                     work = None
                     out.copy_(inp)
@@ -343,9 +336,10 @@ class ParamGroup:
         # on the reduce-scatter stream (CUDA): the compute stream goes on; the buffers freed here
         # can be reused only by later work on that stream, ordered after this wait
         with torch.no_grad(), self.streams.side("reduce_scatter"):
-            for params, offsets, work, _inp, out in pending.buckets:
+            for params, offsets, work, inp, out in pending.buckets:
                 if work is not None:
                     work.wait()
+                    self.streams.release(inp)
                 if info.replicate_dim is not None and info.replicate_size > 1 and out.numel():
                     with comm_cause("fsdp.all_reduce"):  # HSDP: across replicas
                         out = C.all_reduce(out, info.mesh, info.replicate_dim, "sum")
