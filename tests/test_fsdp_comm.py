@@ -169,3 +169,44 @@ def test_sharded_storage_and_no_unsharded_param_left_after_step():
         state = m.__dict__.get("_fsdp_state")
         if state is not None and state.group is not None:
             assert state.group.unsharded_nbytes() == 0
+
+
+def _peak_allocated_while(fn) -> int:
+    """The highest net bytes the CPU allocator handed out (on any thread) while ``fn`` ran."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from benchmarks.memory import allocation_timeline, peaks
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    return peaks(allocation_timeline(prof))["step"]
+
+
+@distributed(world_size=4)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int64])
+@pytest.mark.parametrize("in_place", [True, False], ids=["slot", "separate-input"])
+def test_flat_collectives_values_and_nothing_held_in_flight(dtype, in_place):
+    """FSDP's flat all-gather / reduce-scatter: exact values on every rank, issued asynchronously
+    with the output waited for later; on gloo nothing but the caller's buffers is allocated
+    while they are in flight (gloo's own all-gather / reduce-scatter copy the whole buffer)."""
+    from dtensor_lite import collectives as C
+    mesh = make_mesh((4,))
+    rank, n, chunk = dist.get_rank(), 4, 3 * 1024 + 5  # an odd chunk: no alignment assumed
+    mine = (torch.arange(chunk) * (rank + 1)).to(dtype)
+    out = torch.empty(n * chunk, dtype=dtype)
+    inp = out.narrow(0, rank * chunk, chunk) if in_place else torch.empty(chunk, dtype=dtype)
+    inp.copy_(mine)
+    grads = (torch.arange(n * chunk) % 7 + rank).to(dtype)
+    reduced = torch.empty(chunk, dtype=dtype)
+
+    def issue_and_wait():
+        gathering = C.flat_all_gather(out, inp, mesh, 0, async_op=True)
+        reducing = C.flat_reduce_scatter(reduced, grads, mesh, 0, async_op=True)
+        gathering.wait()
+        reducing.wait()
+    held = _peak_allocated_while(issue_and_wait)
+    want_gather = torch.cat([(torch.arange(chunk) * (r + 1)).to(dtype) for r in range(n)])
+    assert torch.equal(out, want_gather)
+    want_reduce = sum((torch.arange(n * chunk) % 7 + r).to(dtype) for r in range(n))
+    assert torch.equal(reduced, want_reduce[rank * chunk:(rank + 1) * chunk])
+    if out.device.type == "cpu":
+        assert held == 0, f"{held} bytes allocated while the collectives were in flight"
