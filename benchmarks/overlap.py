@@ -17,7 +17,8 @@ does not see: for FSDP+TP its columns cover FSDP's collectives only, ours cover 
 
 Exposed = the issue calls plus the waits; in flight = issue to completion (the backend's
 completion callback if it fired before the wait began, else the end of the wait; gloo's
-reduce-scatter has no callback, so its flight is an upper bound).
+reduce-scatter has no callback, so torch's reduce-scatter flights are an upper bound -- ours, an
+in-place all-reduce on gloo, has one).
 
 Prefetch modes: ``off`` (both: ``set_modules_to_forward_prefetch([])`` and
 ``set_modules_to_backward_prefetch([])`` on every block), ``default`` (ours: implicit forward and
