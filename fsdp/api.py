@@ -30,7 +30,7 @@ from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .state import FSDPState, all_states
 
 __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy",
-           "OffloadPolicy", "CPUOffloadPolicy"]
+           "OffloadPolicy", "CPUOffloadPolicy", "register_fsdp_forward_method", "share_comm_ctx"]
 
 
 def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
@@ -119,6 +119,47 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
                                                               state))
         m.__class__ = _fsdp_class(type(m))
     return module
+
+
+def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
+    """Make ``module.<method_name>(...)`` run FSDP's pre-/post-forward hooks around it, as
+    ``forward`` does: the parameters are all-gathered before the method runs and resharded after
+    it (per ``reshard_after_forward``), and its outputs get the pre-backward hooks, so a
+    backward through them is reduced like one through ``forward``. For methods that use the
+    parameters without calling the module (``generate``, a second head)::
+
+        >>> fully_shard(model, mesh=mesh)
+        >>> register_fsdp_forward_method(model, "generate")
+        >>> model.generate(prompt)
+
+    The method may call the module itself (``self(x)``) or another registered method: those
+    inner calls run inside the outer call's use and add no hooks of their own. As in PyTorch, a
+    module that ``fully_shard`` was not applied to is left alone (no-op, so the same code runs
+    with and without FSDP). A name that is not a method of ``module`` raises ``ValueError``.
+    """
+    if not isinstance(module, nn.Module):
+        raise TypeError(f"register_fsdp_forward_method takes an nn.Module, got "
+                        f"{type(module).__name__}")
+    if not isinstance(module, FSDPModule):
+        return  # as in PyTorch: lets one script register with and without fully_shard
+    method = getattr(module, method_name, None)
+    if not callable(method):
+        what = "has no attribute" if method is None else "has a non-callable attribute"
+        raise ValueError(f"register_fsdp_forward_method: {type(module).__name__} {what} "
+                         f"'{method_name}'; pass the name of one of its methods (e.g. "
+                         "'generate')")
+    setattr(module, method_name, hooks.wrap_forward_method(module, method))
+
+
+def share_comm_ctx(modules: list[nn.Module]) -> None:
+    """PyTorch shares the communication streams of several FSDP roots (pipeline stages) with
+    this. Ours are shared already: one set of side streams per device (``fsdp.streams``), used
+    by every FSDP module on it, so this only checks its argument.
+    ``share_comm_ctx([stage0, stage1])``"""
+    for m in modules:
+        if not isinstance(m, FSDPModule):
+            raise ValueError(f"share_comm_ctx takes modules that fully_shard was applied to, got "
+                             f"{type(m).__name__}")
 
 
 class UnshardHandle:

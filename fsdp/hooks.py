@@ -38,6 +38,7 @@ save exactly what the original forward saved and cost no communication:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import torch
@@ -48,7 +49,7 @@ from dtensor_lite.memory_tracker import FSDP_EVENT_OBSERVERS
 from .param_group import ShardState
 from .state import FSDPState
 
-__all__ = ["pre_forward", "post_forward", "reshard_for_state_dict", "map_tensors",
+__all__ = ["pre_forward", "post_forward", "wrap_forward_method", "reshard_for_state_dict", "map_tensors",
            "collect_tensors", "observe"]
 
 
@@ -150,6 +151,8 @@ _eager = torch._disable_dynamo  # imports Dynamo at the first call, not at impor
 
 @_eager
 def pre_forward(state: FSDPState, module: nn.Module, args, kwargs):
+    if id(module) in state.in_method:  # called by its own registered method: already in use
+        return _cast_inputs(state, args, kwargs)
     if state.ctx is not None and _recomputing():
         _pre_recompute(state)
         return _cast_inputs(state, args, kwargs)
@@ -197,6 +200,8 @@ def _pre_recompute(state: FSDPState):
 
 @_eager
 def post_forward(state: FSDPState, module: nn.Module, args, output):
+    if id(module) in state.in_method:  # the method's own post-forward ends the use
+        return _cast_output(state, output)
     if _recomputing():  # keep the parameters: the backward running now needs them
         _hook_grad_outputs(state, output)
         return _cast_output(state, output)
@@ -213,6 +218,31 @@ def post_forward(state: FSDPState, module: nn.Module, args, output):
     if use_done and _OBSERVERS:
         _notify("post_forward", state)
     return _cast_output(state, output)
+
+
+def wrap_forward_method(module: nn.Module, method: Callable) -> Callable:
+    """``method`` (bound to ``module``) run between ``pre_forward`` and ``post_forward``, as
+    ``nn.Module.__call__`` runs ``forward`` (``register_fsdp_forward_method``). Calls of the module
+    or of another registered method from inside it are part of this use: they run bare."""
+    state = module.__dict__["_fsdp_state"]
+    key = id(module)
+
+    @functools.wraps(method)
+    def run_as_forward(*args, **kwargs):
+        if key in state.in_method:
+            return method(*args, **kwargs)
+        args, kwargs = pre_forward(state, module, args, kwargs)
+        state.in_method.add(key)
+        try:
+            output = method(*args, **kwargs)
+        except BaseException:
+            state.in_method.discard(key)
+            post_forward(state, module, args, None)  # as a raising forward does: end the use
+            raise
+        state.in_method.discard(key)
+        return post_forward(state, module, args, output)
+
+    return run_as_forward
 
 
 def _hook_grad_outputs(state: FSDPState, output) -> bool:

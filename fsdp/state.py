@@ -39,6 +39,7 @@ class FSDPState:
         self.root_keeps_params = True         # cleared by an explicit set_reshard_after_forward
         self.to_run: set[int] = set()         # ids of this call's modules still to run this use
         self.running: set[int] = set()        # ids of this call's modules inside their forward
+        self.in_method: set[int] = set()      # ... inside a registered forward method
         _ALL_STATES.add(self)
 
     # ----------------------------------------------------------------- lazy init

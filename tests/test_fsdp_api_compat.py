@@ -1,0 +1,82 @@
+"""PyTorch 2.13 FSDP2 API surface beyond fully_shard's core: ``register_fsdp_forward_method``,
+``set_unshard_in_backward``, ``set_requires_all_reduce`` and the small setters. Every test
+compares against the same model in plain single-process torch."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from dtensor_lite import DTensor
+from fsdp import FSDPModule, fully_shard, register_fsdp_forward_method
+from tests.harness import distributed
+from tests.test_fsdp import make_mesh, my_rows
+from tests.test_fsdp_hooks import assert_grads_match, data
+
+
+# ----------------------------------------------------------------------------- forward methods
+
+
+class Generator(nn.Module):
+    """``generate`` calls the module (forward hooks) and uses the root's weight directly."""
+
+    def __init__(self):
+        super().__init__()
+        self.inp = nn.Linear(6, 10)
+        self.head = nn.Linear(10, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.inp(x)))
+
+    def generate(self, x, scale=1.0):
+        logits = self(x)
+        # the root's parameters outside forward: only unsharded if FSDP's hooks ran around this
+        return logits + scale * F.linear(torch.tanh(self.inp(x)), self.head.weight).square()
+
+
+def sharded_generator(ref):
+    model = copy.deepcopy(ref)
+    mesh = make_mesh((2,))
+    fully_shard(model.inp, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    register_fsdp_forward_method(model, "generate")
+    return model
+
+
+@distributed(world_size=2)
+def test_register_fsdp_forward_method_grads_and_no_grad():
+    torch.manual_seed(0)
+    ref = Generator()
+    model = sharded_generator(ref)
+    x = data()
+    ref.generate(x, scale=0.5).square().mean().backward()
+    for _ in range(2):  # the second step: the hooks keep working, gradients accumulate
+        model.generate(my_rows(x), scale=0.5).square().mean().backward()
+    ref.generate(x, scale=0.5).square().mean().backward()
+    assert_grads_match(model, ref)
+    # without grad: values as torch's, every group resharded afterwards (no backward will)
+    with torch.no_grad():
+        out = model.generate(my_rows(x))
+        torch.testing.assert_close(out, my_rows(ref.generate(x)), rtol=1e-5, atol=1e-5)
+    for p in model.parameters():
+        assert isinstance(p, DTensor), "a parameter stayed unsharded after a no_grad generate"
+    # a method that raises ends its use; the next call runs normally
+    with pytest.raises(TypeError):
+        model.generate(my_rows(x), scale=None)
+    torch.testing.assert_close(model(my_rows(x)), my_rows(ref(x)).detach(), rtol=1e-5, atol=1e-5)
+
+
+@distributed(world_size=2)
+def test_register_fsdp_forward_method_bad_inputs():
+    plain = Generator()
+    generate = plain.generate
+    register_fsdp_forward_method(plain, "generate")  # not an FSDP module: left alone (as torch)
+    assert plain.generate == generate and not isinstance(plain, FSDPModule)
+    model = sharded_generator(Generator())
+    with pytest.raises(ValueError, match="Generator has no attribute 'sample'"):
+        register_fsdp_forward_method(model, "sample")
+    with pytest.raises(ValueError, match="non-callable attribute 'training'"):
+        register_fsdp_forward_method(model, "training")
+    with pytest.raises(TypeError, match="takes an nn.Module, got int"):
+        register_fsdp_forward_method(3, "generate")
