@@ -259,6 +259,21 @@ class FSDPModule:
             if (g := m._get_fsdp_state().group) is not None:
                 g.reshard_after_backward = bool(reshard_after_backward)
 
+    def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
+        """``False``: this module's parameters are not all-gathered in backward (not
+        recursive, as in PyTorch) -- for a module whose backward does not read its parameters,
+        such as an embedding (its weight gradient needs only the indices). Its gradients are
+        still reduce-scattered. ``model.embed.set_unshard_in_backward(False)``
+
+        A module whose backward does read them (a linear layer) finds their storage freed by
+        the reshard after forward: its backward raises ``RuntimeError`` from the op that reads
+        them ("setStorage: ... out of bounds for storage of size 0"; so does PyTorch's). Parameters that were not resharded after forward (the root,
+        ``reshard_after_forward=False``) are still there and are used as they are."""
+        if not isinstance(unshard_in_backward, bool):
+            raise TypeError(f"set_unshard_in_backward takes a bool, got {unshard_in_backward!r}")
+        if (g := self._get_fsdp_state().group) is not None:
+            g.unshard_in_backward = unshard_in_backward
+
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]):
         """All-gather ``modules`` right after this module's all-gather in forward (replaces the
         implicit prefetch of the next module).

@@ -277,12 +277,13 @@ class _PreBackward:
         group = state.group
         if group is None:
             return None
-        if group.state is not ShardState.UNSHARDED:
+        if group.state is not ShardState.UNSHARDED and group.unshard_in_backward:
             group.unshard()
-        # grad-tracking tensors for a checkpointed forward that recomputes inside this module
-        # (backward runs with grad off)
-        with torch.enable_grad():
-            _publish_for_forward(group, counted=False)
+        if group.state is ShardState.UNSHARDED:
+            # grad-tracking tensors for a checkpointed forward that recomputes inside this
+            # module (backward runs with grad off)
+            with torch.enable_grad():
+                _publish_for_forward(group, counted=False)
         if not group.prefetched_in_backward:
             group.prefetched_in_backward = True
             _prefetch_backward(state, state.ctx)
@@ -300,9 +301,10 @@ def reshard_for_state_dict(state: FSDPState, *_args, **_kwargs):
 
 
 # ===================================================================== prefetching
-def _prefetch(groups):
+def _prefetch(groups, backward: bool = False):
     for g in groups:
-        if g is not None and g.state is not ShardState.UNSHARDED:
+        if g is not None and g.state is not ShardState.UNSHARDED and \
+                (g.unshard_in_backward or not backward):
             g.start_unshard()
 
 
@@ -318,7 +320,7 @@ def _prefetch_forward(state: FSDPState, ctx):
 
 def _prefetch_backward(state: FSDPState, ctx):
     if state.backward_prefetch is not None:
-        return _prefetch([s.group for s in state.backward_prefetch])
+        return _prefetch([s.group for s in state.backward_prefetch], backward=True)
     # implicit: the group whose forward finished just before this one's (last) forward did
     order = ctx.post_forward_order
     group = state.group
@@ -327,7 +329,7 @@ def _prefetch_backward(state: FSDPState, ctx):
             for j in range(i - 1, -1, -1):
                 if order[j] is not group:
                     if order[j].uses_pending > 0:
-                        _prefetch([order[j]])
+                        _prefetch([order[j]], backward=True)
                     return
             return
 

@@ -129,6 +129,7 @@ class ParamGroup:
         self.root_ctx = None               # state.RootContext, set at the root's lazy init
         self.reshard_after_backward = True
         self.reduce_grads = True           # set_requires_gradient_sync
+        self.unshard_in_backward = True    # set_unshard_in_backward
         self.divide_factor: float | None = None
         # per-step state
         self._pending_ag: _PendingAllGather | None = None

@@ -80,3 +80,64 @@ def test_register_fsdp_forward_method_bad_inputs():
         register_fsdp_forward_method(model, "training")
     with pytest.raises(TypeError, match="takes an nn.Module, got int"):
         register_fsdp_forward_method(3, "generate")
+
+
+# ----------------------------------------------------------------------------- unshard in backward
+
+
+class Embedder(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(20, 8)
+        self.proj = nn.Linear(8, 8)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.proj(self.embed(tokens))))
+
+
+def tokens():
+    return torch.randint(0, 20, (8, 5), generator=torch.Generator().manual_seed(3))
+
+
+def backward_all_gathers(model, x):
+    from dtensor_lite.debug import CommDebugMode
+    loss = model(x).square().mean()
+    with CommDebugMode() as comm:
+        loss.backward()
+    return comm.get_comm_counts().get("all_gather", 0)
+
+
+@distributed(world_size=2)
+def test_set_unshard_in_backward_embedding_needs_no_all_gather():
+    torch.manual_seed(0)
+    ref = Embedder()
+    model = copy.deepcopy(ref)
+    mesh = make_mesh((2,))
+    fully_shard(model.embed, mesh=mesh)  # resharded after forward (not the root)
+    fully_shard(model, mesh=mesh)        # the root keeps its parameters for backward
+    x = tokens()
+    ref(x).square().mean().backward()
+    model.embed.set_unshard_in_backward(False)
+    assert backward_all_gathers(model, my_rows(x)) == 0
+    assert_grads_match(model, ref)
+    ref(x).square().mean().backward()
+    model.embed.set_unshard_in_backward(True)  # the default: one all-gather of the embedding
+    assert backward_all_gathers(model, my_rows(x)) == 1
+    assert_grads_match(model, ref)
+    assert all(isinstance(p, DTensor) for p in model.parameters())
+
+
+@distributed(world_size=2)
+def test_set_unshard_in_backward_module_that_needs_its_parameters():
+    model = Embedder()
+    mesh = make_mesh((2,))
+    fully_shard(model.proj, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.proj.set_unshard_in_backward(False)  # wrong: the linear's backward reads its weight
+    loss = model(my_rows(tokens())).square().mean()
+    with pytest.raises(RuntimeError, match="out of bounds for storage of size 0"):
+        loss.backward()
+    model.reset_iter_state()
+    with pytest.raises(TypeError, match="takes a bool, got 0"):
+        model.proj.set_unshard_in_backward(0)
