@@ -7,13 +7,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from dtensor_lite import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
+from dtensor_lite import (DTensor, Partial, Replicate, Shard, distribute_tensor,
+                          init_device_mesh)
 from dtensor_lite.debug import CommDebugMode
 from examples.llama import Llama, LlamaConfig, loss_fn
 from examples.llama_parallel import llama_tp_plan, parallelize_llama
 from tests.harness import distributed, run_distributed
-from tp import (ColwiseParallel, PrepareModuleInput, PrepareModuleOutput, RowwiseParallel,
-                SequenceParallel, loss_parallel, parallelize_module)
+from tp import (ColwiseParallel, PrepareModuleInput, PrepareModuleInputOutput,
+                PrepareModuleOutput, RowwiseParallel, SequenceParallel, loss_parallel,
+                parallelize_module)
 
 CFG = LlamaConfig(vocab_size=64, dim=16, n_layers=2, n_heads=4, ffn_dim=32, max_seq_len=16)
 
@@ -277,6 +279,38 @@ def test_sequence_parallel_and_prepare_styles():
     ident = parallelize_module(Identity(), mesh, PrepareModuleOutput(
         output_layouts=Shard(0), desired_output_layouts=Replicate()))
     torch.testing.assert_close(ident(_local_shard(a, mesh, 0)), a)
+
+
+@distributed(world_size=4, timeout=60)
+@pytest.mark.parametrize("seq", [8, 7, 3], ids=["even", "uneven", "empty-rank"])
+def test_prepare_module_input_output_moe_layout(seq):
+    """torchtitan's MoE layout: a sequence-sharded stream gathered for a body that sees local
+    tensors, whose per-rank outputs are partial sums scattered back along the sequence. Values
+    equal one process's on even, uneven and empty sequence pieces. Backward, as in torch, the
+    body's local input gradient is taken as replicated (``to_local()``'s default): each rank
+    keeps its own body's gradient for its piece -- a body whose ranks' input gradients differ
+    (as here) must reduce them itself."""
+    mesh = init_device_mesh("cpu", (4,))
+    rank = mesh.get_rank()
+    weights = torch.tensor([0.5, 1.5, -2.0, 3.0])  # each rank's share of the layer
+
+    class Experts(nn.Module):  # this rank's part of the layer: a plain tensor in and out
+        def forward(self, x):
+            assert not isinstance(x, DTensor) and x.shape[1] == seq
+            return torch.tanh(x) * weights[rank]
+
+    layer = parallelize_module(Experts(), mesh, PrepareModuleInputOutput(
+        input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),), use_local_input=True,
+        output_layouts=(Partial(),), desired_output_layouts=(Shard(1),)))
+    x, g = torch.randn(2, seq, 5), torch.randn(2, seq, 5)
+    local_x = _local_shard(x, mesh, 1).clone().requires_grad_()
+    out = layer(local_x)
+    assert not isinstance(out, DTensor)
+    torch.testing.assert_close(out, _local_shard(torch.tanh(x) * weights.sum(), mesh, 1))
+    (out * _local_shard(g, mesh, 1)).sum().backward()
+    # this rank's body, differentiated (distribute_tensor chunks rank 0's tensor: scale after)
+    own = _local_shard((1 - torch.tanh(x) ** 2) * g, mesh, 1) * weights[rank]
+    torch.testing.assert_close(local_x.grad, own)
 
 
 @distributed(world_size=2, timeout=60)

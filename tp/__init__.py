@@ -7,8 +7,10 @@ See docs/tp.md.
 """
 from .api import parallelize_module
 from .loss import loss_parallel
-from .style import (ColwiseParallel, ParallelStyle, PrepareModuleInput, PrepareModuleOutput,
-                    RowwiseParallel, SequenceParallel)
+from .style import (ColwiseParallel, ParallelStyle, PrepareModuleInput,
+                    PrepareModuleInputOutput, PrepareModuleOutput, RowwiseParallel,
+                    SequenceParallel)
 
 __all__ = ["parallelize_module", "loss_parallel", "ParallelStyle", "ColwiseParallel",
-           "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput"]
+           "RowwiseParallel", "SequenceParallel", "PrepareModuleInput", "PrepareModuleOutput",
+           "PrepareModuleInputOutput"]

@@ -325,3 +325,35 @@ class PrepareModuleOutput(ParallelStyle):
 
         module.register_forward_hook(hook)
         return module
+
+
+class PrepareModuleInputOutput(ParallelStyle):
+    """:class:`PrepareModuleInput` and :class:`PrepareModuleOutput` on one module: its inputs are
+    converted before the forward (``use_local_input=True`` hands the body local tensors), its
+    outputs after (``use_local_output``, default True). The arguments mean what they mean there.
+
+    Example (a mixture-of-experts layer on a sequence-sharded stream: every rank routes the whole
+    sequence locally, its experts' outputs are partial sums, scattered back along the sequence)::
+
+        >>> PrepareModuleInputOutput(
+        ...     input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),),
+        ...     use_local_input=True,
+        ...     output_layouts=(Partial(),), desired_output_layouts=(Shard(1),))
+    """
+
+    def __init__(self, *, input_layouts=None, desired_input_layouts=None,
+                 input_kwarg_layouts: dict | None = None,
+                 desired_input_kwarg_layouts: dict | None = None, use_local_input: bool = False,
+                 output_layouts, desired_output_layouts, use_local_output: bool = True):
+        self.prepare_module_input = PrepareModuleInput(
+            input_layouts=input_layouts, desired_input_layouts=desired_input_layouts,
+            input_kwarg_layouts=input_kwarg_layouts,
+            desired_input_kwarg_layouts=desired_input_kwarg_layouts,
+            use_local_output=use_local_input)
+        self.prepare_module_output = PrepareModuleOutput(
+            output_layouts=output_layouts, desired_output_layouts=desired_output_layouts,
+            use_local_output=use_local_output)
+
+    def _apply(self, module, device_mesh):
+        self.prepare_module_input._apply(module, device_mesh)
+        return self.prepare_module_output._apply(module, device_mesh)
