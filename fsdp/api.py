@@ -237,6 +237,21 @@ class FSDPModule:
         for m in self._fsdp_modules(recurse):
             if (g := m._get_fsdp_state().group) is not None:
                 g.reduce_grads = bool(requires_gradient_sync)
+                g.all_reduce_grads = bool(requires_gradient_sync)  # as torch: both switches
+
+    def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True):
+        """HSDP only (a 1-D mesh has no all-reduce: ignored there). ``False``: backward still
+        reduce-scatters within each replica, but skips the all-reduce across replicas and keeps
+        the partial sums (not in ``.grad``); the next backward with ``True`` adds them to its
+        own and all-reduces once -- gradient accumulation that pays the reduce-scatter per
+        micro-batch (its memory stays sharded) and the all-reduce once::
+
+            >>> model.set_requires_all_reduce(False)     # micro-batches 1 .. n-1
+            >>> model.set_requires_all_reduce(True)      # micro-batch n: .grad = the sum of all
+        """
+        for m in self._fsdp_modules(recurse):
+            if (g := m._get_fsdp_state().group) is not None:
+                g.all_reduce_grads = bool(requires_all_reduce)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool | int, recurse: bool = True):
         """Change ``reshard_after_forward`` at run time (also on the root, whose default is to

@@ -130,6 +130,7 @@ class ParamGroup:
         self.reshard_after_backward = True
         self.reduce_grads = True           # set_requires_gradient_sync
         self.unshard_in_backward = True    # set_unshard_in_backward
+        self.all_reduce_grads = True       # set_requires_all_reduce (HSDP)
         self.divide_factor: float | None = None
         # per-step state
         self._pending_ag: _PendingAllGather | None = None
@@ -141,6 +142,9 @@ class ParamGroup:
         self.needs_reduce = False          # some use with grad ran since the last reduce
         self.grads: list[torch.Tensor | None] = [None] * len(self.trainable)
         self.prefetched_in_backward = False
+        # HSDP with all_reduce_grads False: reduce-scatter outputs summed over backwards, not yet
+        # all-reduced across replicas nor divided, by gradient dtype (one bucket each)
+        self.partial_reduce: dict[torch.dtype, torch.Tensor] = {}
 
     # ================================================================= unshard
     @property
@@ -342,8 +346,9 @@ class ParamGroup:
                     work.wait()
                     self.streams.release(inp)
                 if info.replicate_dim is not None and info.replicate_size > 1 and out.numel():
-                    with comm_cause("fsdp.all_reduce"):  # HSDP: across replicas
-                        out = C.all_reduce(out, info.mesh, info.replicate_dim, "sum")
+                    out = self._reduce_across_replicas(out)
+                    if out is None:
+                        continue  # kept for a later backward's all-reduce
                 if factor != 1:
                     out.div_(factor)
                 for p, off in zip(params, offsets):
@@ -351,6 +356,21 @@ class ParamGroup:
                     p.accumulate_grad(p.local_grad_from(out[off:off + n]))
         if self.offload:
             self.streams.synchronize_host()
+
+    def _reduce_across_replicas(self, out: torch.Tensor) -> torch.Tensor | None:
+        """HSDP: add what earlier backwards kept, then all-reduce across replicas and return the
+        sum -- or, with ``all_reduce_grads`` False, keep the sum for a later backward and return
+        None (the replicas' sum is linear: all-reducing the accumulated sum once equals summing
+        each backward's all-reduce, for one collective instead of one per micro-batch)."""
+        info = self.mesh_info
+        held = self.partial_reduce.pop(out.dtype, None)
+        if held is not None:
+            out = out.add_(held)
+        if not self.all_reduce_grads:
+            self.partial_reduce[out.dtype] = out
+            return None
+        with comm_cause("fsdp.all_reduce"):
+            return C.all_reduce(out, info.mesh, info.replicate_dim, "sum")
 
     # ================================================================= introspection
     def unsharded_nbytes(self) -> int:

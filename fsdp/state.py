@@ -87,7 +87,7 @@ class RootContext:
         for g in self.groups:
             for p in g.params:
                 _note(out[UNSHARDED_PARAMS], p.raw, *p._inner)
-            _note(out[GRADIENTS], *g.grads)
+            _note(out[GRADIENTS], *g.grads, *g.partial_reduce.values())
             if g._pending_ag is not None:
                 _note(out[COMM_BUFFERS], g._pending_ag.out)
             _note(out[COMM_BUFFERS], g._post_forward_buf)
@@ -126,6 +126,7 @@ class RootContext:
             pending.wait_and_discard()
         for g in self.groups:
             g.take_grads()
+            g.partial_reduce.clear()  # as torch: gradients kept from set_requires_all_reduce(False)
             g.prefetched_in_backward = False
             g.uses_pending = 0
             g.needs_reduce = False

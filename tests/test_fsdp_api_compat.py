@@ -141,3 +141,31 @@ def test_set_unshard_in_backward_module_that_needs_its_parameters():
     model.reset_iter_state()
     with pytest.raises(TypeError, match="takes a bool, got 0"):
         model.proj.set_unshard_in_backward(0)
+
+
+# ----------------------------------------------------------------------------- all-reduce (HSDP)
+
+
+@distributed(world_size=4)
+def test_set_requires_all_reduce_accumulates_across_micro_batches():
+    from dtensor_lite.debug import CommDebugMode
+    from tests.test_fsdp_hooks import Net, shard_net
+    torch.manual_seed(0)
+    ref = Net()
+    model = shard_net(copy.deepcopy(ref), make_mesh((2, 2)))  # (replicate, shard)
+    micro = [data(rows=8), 2 * data(rows=8).flip(0)]
+    for x in micro:  # one process, the whole batch of each micro-batch; gradients accumulate
+        ref(x).square().mean().backward()
+    counts = []
+    for i, x in enumerate(micro):
+        model.set_requires_all_reduce(i == len(micro) - 1)
+        with CommDebugMode() as comm:
+            model(my_rows(x)).square().mean().backward()
+        counts.append(comm.get_comm_counts())
+        if i == 0:  # kept as partial sums, not written
+            assert all(p.grad is None for p in model.parameters())
+    # 3 groups (3 + 2 all-gathers): each reduce-scatters per micro-batch, all-reduces once
+    assert counts == [{"all_gather": 5, "reduce_scatter": 3},
+                      {"all_gather": 5, "reduce_scatter": 3, "all_reduce": 3}]
+    assert_grads_match(model, ref)
+    assert all(not g.partial_reduce for g in model._get_fsdp_state().ctx.groups)
