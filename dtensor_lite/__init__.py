@@ -10,7 +10,7 @@ from . import ops  # noqa: F401  (registers the sharding rules)
 from . import _dispatch  # noqa: F401  (installs itself as DTensor's op dispatcher)
 from .redistribute import explain_redistribute, RedistributePlan
 from .api import (distribute_tensor, distribute_module, zeros, ones, empty, full, rand, randn)
-from . import checkpoint, debug, random
+from . import checkpoint, debug, experimental, placement_types, random
 from .strategy_api import local_map, register_sharding
 from .primitives import (all_to_all_single, compute_local_shape_and_global_offset, ring_shift,
                          send_recv)
@@ -22,7 +22,7 @@ __all__ = [
     "DeviceMesh", "init_device_mesh", "Placement", "Shard", "Replicate", "Partial", "DTensor",
     "DTensorSpec", "TensorMeta", "distribute_tensor", "distribute_module", "zeros", "ones",
     "empty", "full", "rand", "randn", "explain_redistribute", "RedistributePlan", "checkpoint",
-    "debug", "register_sharding", "local_map",
+    "debug", "experimental", "placement_types", "register_sharding", "local_map",
     "ring_shift", "send_recv", "all_to_all_single", "compute_local_shape_and_global_offset",
     "StateDictOptions", "get_model_state_dict", "set_model_state_dict", "get_optimizer_state_dict",
     "set_optimizer_state_dict", "get_state_dict", "set_state_dict",

@@ -277,8 +277,9 @@ def _spec_args(op, args, kwargs):
             raise ValueError(
                 f"{op}: got a mix of DTensor and plain torch.Tensor (shape {tuple(a.shape)}) "
                 "arguments. Convert the plain tensor with distribute_tensor(t, mesh, placements) "
-                "or DTensor.from_local(t, mesh, placements) first (only Python scalars and 0-d "
-                "tensors are treated as replicated automatically)")
+                "or DTensor.from_local(t, mesh, placements) first, or, if it holds the same values "
+                "on every rank, run the op under dtensor_lite.experimental.implicit_replication() "
+                "(only Python scalars and 0-d tensors are treated as replicated automatically)")
         return a
     return tree_map(conv, list(args)), tree_map(conv, dict(kwargs))
 
@@ -323,7 +324,7 @@ def _decide(op, args, kwargs, dts) -> _Decision:
     mesh = _mesh_of(op, dts)
     if any(_is_plain(a) or (isinstance(a, (list, tuple)) and any(_is_plain(x) for x in a))
            for a in (*args, *kwargs.values())):
-        return _PlainInBackwardDecision(op, mesh)
+        return _PlainAsReplicatedDecision(op, mesh)
     rule = _registry.get_rule(op)
     if rule is None:
         if _aliasing.INPLACE_VIEW in op.tags:
@@ -401,10 +402,15 @@ def _is_plain(a):
     return isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim > 0
 
 
-class _PlainInBackwardDecision:
+# [True] inside experimental.implicit_replication(): plain tensors among DTensors join as Replicate
+IMPLICIT_REPLICATION = [False]
+
+
+class _PlainAsReplicatedDecision:
     """Plain tensors among DTensors: an error in user code (see :func:`_spec_args`), but inside a
     backward formula they are tensors the formula built itself (trace's backward indexes with an
-    ``arange``), the same on every rank: there they join as Replicate DTensors."""
+    ``arange``), the same on every rank, and under ``implicit_replication()`` the user promises
+    that: there they join as Replicate DTensors. Checked per call (the decision is cached)."""
 
     fast = False
 
@@ -413,7 +419,7 @@ class _PlainInBackwardDecision:
         self.mesh = mesh
 
     def run(self, args, kwargs, dts, validate=False):
-        if torch._C._current_autograd_node() is None:
+        if torch._C._current_autograd_node() is None and not IMPLICIT_REPLICATION[0]:
             _spec_args(self.op, args, kwargs)  # raises the mixing error
         mesh = self.mesh
 

@@ -718,3 +718,37 @@ def test_different_mesh_errors():
         d + other
     # the failed calls left everything usable
     torch.testing.assert_close(d.full_tensor(), torch.ones(4, 4))
+
+
+# ----------------------------------------------------------------------------- torch's module names
+def test_torch_submodule_names_switch_by_import_line():
+    """``torch.distributed.tensor.{placement_types,experimental,debug}`` names exist under
+    ``dtensor_lite.`` (context_parallel excepted: see dtensor_lite/experimental.py)."""
+    import torch.distributed.tensor.experimental as t_exp
+    import torch.distributed.tensor.placement_types as t_pt
+
+    from dtensor_lite import experimental, placement_types
+    assert set(t_pt.__all__) <= set(placement_types.__all__)
+    assert set(t_exp.__all__) - {"context_parallel"} <= set(experimental.__all__)
+    assert placement_types.Shard is Shard and experimental.local_map is dl.local_map
+
+
+@distributed(world_size=4)
+@pytest.mark.parametrize("mesh_shape", [(4,), (2, 2)])
+def test_implicit_replication_takes_plain_tensors_as_replicated(mesh_shape):
+    from dtensor_lite.experimental import implicit_replication
+    mesh = init_device_mesh("cpu", mesh_shape)
+    placements = [Shard(0)] + [Shard(1)] * (len(mesh_shape) - 1)
+    x = torch.randn(7, 6)  # uneven rows over 4 (or 2) ranks
+    scale, shift = torch.linspace(-1, 1, 6), torch.randn(7, 6)
+    dx = distribute_tensor(x, mesh, placements).requires_grad_()
+    with pytest.raises(ValueError, match="implicit_replication"):
+        dx * scale
+    with implicit_replication():
+        out = dx * scale + shift
+    assert isinstance(out, DTensor) and out.placements == tuple(placements)
+    torch.testing.assert_close(out.full_tensor(), x * scale + shift)
+    out.sum().backward()  # the DTensor's gradient, through the replicated plain tensors
+    torch.testing.assert_close(dx.grad.full_tensor(), scale.expand(7, 6))
+    with pytest.raises(ValueError, match="mix of DTensor and plain"):
+        dx * scale  # the decision is cached, the mode is checked per call
