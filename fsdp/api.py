@@ -13,6 +13,7 @@ module(s) that no earlier call took, shards them as DTensors, and hooks the modu
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Callable, Iterable
 
 import torch
@@ -305,6 +306,37 @@ class FSDPModule:
         (not recursive, as in PyTorch). ``model.set_gradient_divide_factor(1.0)`` sums."""
         if (g := self._get_fsdp_state().group) is not None:
             g.divide_factor = float(factor)
+
+    def set_reduce_scatter_divide_factor(self, factor: float):
+        """Deprecated in PyTorch (``DeprecationWarning``, as there): use
+        :meth:`set_gradient_divide_factor`, which this calls."""
+        warnings.warn("Use `set_gradient_divide_factor` instead", DeprecationWarning,
+                      stacklevel=2)
+        self.set_gradient_divide_factor(factor)
+
+    def set_force_sum_reduction_for_comms(self, enable: bool):
+        """PyTorch: make the collectives reduce with ``SUM`` only and scale separately (NCCL's
+        zero-copy transfers need it). Ours always do: every reduce-scatter and all-reduce sums
+        and the gradient is divided afterwards, so this only records the setting (not
+        recursive, as in PyTorch). ``model.set_force_sum_reduction_for_comms(True)``"""
+        if not isinstance(enable, bool):
+            raise TypeError(f"set_force_sum_reduction_for_comms takes a bool, got {enable!r}")
+        if (g := self._get_fsdp_state().group) is not None:
+            g.force_sum_reduction_for_comms = enable
+
+    def set_post_optim_event(self, event: torch.Event):
+        """An event recorded after the optimizer step: the next root forward's first all-gather
+        waits for it instead of for everything queued on the compute stream, so unrelated work
+        queued after the step does not delay it (CUDA; on CPU there is nothing to wait for).
+        Used once: record and set a new one every iteration::
+
+            >>> opt.step(); event = torch.cuda.current_stream().record_event()
+            >>> model.set_post_optim_event(event)
+        """
+        if not isinstance(event, (torch.Event, torch.cuda.Event)):
+            raise TypeError(f"set_post_optim_event takes a torch.Event (or torch.cuda.Event) "
+                            f"recorded after the optimizer step, got {type(event).__name__}")
+        self._get_fsdp_state().post_optim_event = event
 
     def set_is_last_backward(self, is_last_backward: bool):
         """``False``: the coming backward is not the last before the optimizer step, so its last

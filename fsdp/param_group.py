@@ -131,6 +131,7 @@ class ParamGroup:
         self.reduce_grads = True           # set_requires_gradient_sync
         self.unshard_in_backward = True    # set_unshard_in_backward
         self.all_reduce_grads = True       # set_requires_all_reduce (HSDP)
+        self.force_sum_reduction_for_comms = False  # recorded only: ours always sum
         self.divide_factor: float | None = None
         # per-step state
         self._pending_ag: _PendingAllGather | None = None

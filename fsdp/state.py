@@ -37,6 +37,7 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] | None = None   # explicit; None: implicit
         self.backward_prefetch: list[FSDPState] | None = None
         self.root_keeps_params = True         # cleared by an explicit set_reshard_after_forward
+        self.post_optim_event = None          # set_post_optim_event: for the next root forward
         self.to_run: set[int] = set()         # ids of this call's modules still to run this use
         self.running: set[int] = set()        # ids of this call's modules inside their forward
         self.in_method: set[int] = set()      # ... inside a registered forward method
@@ -111,6 +112,17 @@ class RootContext:
             g.uses_pending = 0
             g.forward_uses = 0
             g.needs_reduce = False
+        self._hand_over_post_optim_event()
+
+    def _hand_over_post_optim_event(self):
+        """This iteration's first all-gather waits for the event ``set_post_optim_event`` gave
+        (on any module under this root), else for the compute stream; an event is used once."""
+        event = None
+        for st in self.states:
+            event = st.post_optim_event if st.post_optim_event is not None else event
+            st.post_optim_event = None
+        for streams in {id(g.streams): g.streams for g in self.groups}.values():
+            streams.wait_event_instead("all_gather", event)  # None clears an unused one
 
     def reset_iteration(self):
         """Recover from a forward or backward that raised half-way (torch's ``reset_iter_state``).

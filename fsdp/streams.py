@@ -56,14 +56,30 @@ class Streams:
                 "reduce_scatter": torch.cuda.Stream(device, priority=-1),
             }
 
+            self._wait_instead: dict[str, object] = {}  # name -> event (set_post_optim_event)
+
+    def wait_event_instead(self, name: str, event) -> None:
+        """The next ``side(name)`` block waits for ``event`` instead of the compute stream
+        (``None``: as usual). ``FSDPModule.set_post_optim_event``: the first all-gather of an
+        iteration then need not wait for work queued after the optimizer step. Safe for memory
+        as ``side`` is: every earlier read of FSDP's buffers on the compute stream (the previous
+        iteration) was queued before the event. CPU: nothing to wait for, dropped."""
+        if self.is_cuda:
+            self._wait_instead[name] = event
+
     @contextlib.contextmanager
     def side(self, name: str):
-        """Run the block on side stream ``name``, ordered after the compute stream's queued work."""
+        """Run the block on side stream ``name``, ordered after the compute stream's queued work
+        (or after the event ``wait_event_instead`` left for it)."""
         if not self.is_cuda:
             yield
             return
         stream = self._streams[name]
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        event = self._wait_instead.pop(name, None)
+        if event is not None:
+            stream.wait_event(event)
+        else:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(stream):
             yield
 

@@ -169,3 +169,35 @@ def test_set_requires_all_reduce_accumulates_across_micro_batches():
                       {"all_gather": 5, "reduce_scatter": 3, "all_reduce": 3}]
     assert_grads_match(model, ref)
     assert all(not g.partial_reduce for g in model._get_fsdp_state().ctx.groups)
+
+
+# ----------------------------------------------------------------------------- small setters
+
+
+@distributed(world_size=2)
+def test_small_setters_divide_factor_sum_reduction_post_optim_event_share_comm_ctx():
+    from fsdp import share_comm_ctx
+    from tests.test_fsdp_hooks import Net, shard_net
+    torch.manual_seed(0)
+    ref = Net()
+    model = shard_net(copy.deepcopy(ref), make_mesh((2,)))
+    x = data()
+    ref(x).square().mean().backward()
+    for m in (model, *model.blocks):  # not recursive (as torch): every group
+        with pytest.warns(DeprecationWarning, match="set_gradient_divide_factor"):
+            m.set_reduce_scatter_divide_factor(1.0)
+        m.set_force_sum_reduction_for_comms(True)  # ours sum anyway: values unchanged
+    model.set_post_optim_event(torch.Event("cpu"))  # CPU: nothing to wait for
+    share_comm_ctx([model, *model.blocks])          # one set of streams per device already
+    model(my_rows(x)).square().mean().backward()
+    assert model._get_fsdp_state().post_optim_event is None  # used by that forward, once
+    for p in ref.parameters():  # divided by 1: the sum over the 2 ranks' mean losses
+        p.grad *= 2
+    assert_grads_match(model, ref)
+    with pytest.raises(TypeError, match="takes a torch.Event .* got str"):
+        model.set_post_optim_event("after step")
+    with pytest.raises(TypeError, match="takes a bool, got 1"):
+        model.set_force_sum_reduction_for_comms(1)
+    with pytest.raises(ValueError, match="share_comm_ctx takes modules that fully_shard was "
+                                         "applied to, got Linear"):
+        share_comm_ctx([model, nn.Linear(2, 2)])
