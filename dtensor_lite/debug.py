@@ -28,7 +28,7 @@ import torch
 __all__ = ["CommDebugMode", "CommRecord", "check_collectives", "comm_cause", "ExposedCommMode", "ExplicitRedistributionContext",
            "strict_redistribute", "FallbackRedistributeWarning", "ImplicitRedistributionError",
            "reset_fallback_warnings", "MemoryTracker", "propagate_failures", "RankFailedError",
-           "CollectiveFailedError"]
+           "CollectiveFailedError", "visualize_sharding"]
 
 _ACTIVE: list["CommDebugMode"] = []
 _TIMERS: list["ExposedCommMode"] = []
@@ -459,5 +459,6 @@ class ExposedCommMode:
 
 
 from .memory_tracker import MemoryTracker  # noqa: E402  (its own module; re-exported here)
+from ._visualize import visualize_sharding  # noqa: E402  (its own module; re-exported here)
 # rank failures that stop every rank (their own module; re-exported here)
 from ._failures import CollectiveFailedError, RankFailedError, propagate_failures  # noqa: E402

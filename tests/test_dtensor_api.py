@@ -752,3 +752,41 @@ def test_implicit_replication_takes_plain_tensors_as_replicated(mesh_shape):
     torch.testing.assert_close(dx.grad.full_tensor(), scale.expand(7, 6))
     with pytest.raises(ValueError, match="mix of DTensor and plain"):
         dx * scale  # the decision is cached, the mode is checked per call
+
+
+def _visualized(shape, mesh_shape, placements):
+    import contextlib
+    import io
+
+    from dtensor_lite.debug import visualize_sharding
+    from dtensor_lite._visualize import sharding_blocks
+    mesh = init_device_mesh("cpu", mesh_shape)
+    dt = distribute_tensor(torch.zeros(shape), mesh, placements)
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        visualize_sharding(dt, header="title")
+    return out.getvalue(), sharding_blocks(dt)
+
+
+def test_visualize_sharding_blocks_and_table():
+    # 2-D: rows over mesh dim 0, columns over dim 1, uneven (5 rows, 3 columns over 2 x 2)
+    outs = run_distributed(4, _visualized, (5, 3), (2, 2), [Shard(0), Shard(1)])
+    text, blocks = outs[0]
+    assert blocks == {((0, 3), (0, 2)): [0], ((0, 3), (2, 3)): [1], ((3, 5), (0, 2)): [2],
+                      ((3, 5), (2, 3)): [3]}
+    for cell in ("row 0-2", "row 3-4", "col 0-1", "col 2-2", "cpu:0", "cpu:3", "title"):
+        assert cell in text
+    assert all(o[0] == "" for o in outs[1:])        # printed once, by coordinate (0, 0)
+    # replicated over a dim: both ranks of a cell listed; an empty trailing piece left out
+    text, blocks = run_distributed(4, _visualized, (3,), (4,), [Shard(0)])[0]
+    assert blocks == {((0, 1),): [0], ((1, 2),): [1], ((2, 3),): [2]}
+    text, blocks = run_distributed(4, _visualized, (4, 2), (2, 2), [Replicate(), Shard(0)])[0]
+    assert blocks == {((0, 2), (0, 2)): [0, 2], ((2, 4), (0, 2)): [1, 3]}
+    assert "cpu:0, cpu:2" in text
+    text, _ = run_distributed(4, _visualized, (4, 2), (4,), [Partial()])[0]
+    assert "partial values: Partial(sum) on mesh dim 0" in text
+
+
+def test_visualize_sharding_refuses_3d():
+    with pytest.raises(Exception, match="1-D and 2-D"):
+        run_distributed(2, _visualized, (2, 2, 2), (2,), [Shard(0)])
