@@ -307,6 +307,32 @@ class FSDPModule:
         if (g := self._get_fsdp_state().group) is not None:
             g.divide_factor = float(factor)
 
+    def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None):
+        """Call ``hook(reduced)`` on this module's reduced gradients before they are added into
+        ``.grad`` (not recursive, as in PyTorch): ``reduced`` is the flat reduce-scatter output
+        (1-D FSDP) or the all-reduce output (HSDP), already divided by the gradient divide
+        factor -- the values PyTorch's hook sees with fp32/bf16 reduction -- and ``hook``
+        changes it in place. The use: a data-parallel dimension FSDP does not reduce, e.g.
+        replicas all-reduced by hand over a 1-D FSDP mesh::
+
+            >>> group = mesh.get_group("replicate")
+            >>> model.set_all_reduce_hook(lambda g: (dist.all_reduce(g, group=group),
+            ...                                      g.div_(group.size())))
+
+        Called once per gradient dtype of the group, per reduction. ``stream`` (CUDA, 1-D only,
+        as in PyTorch): run the hook there instead of on FSDP's reduce-scatter stream."""
+        if not callable(hook):
+            raise TypeError(f"set_all_reduce_hook takes a callable hook(tensor), got "
+                            f"{type(hook).__name__}")
+        if (g := self._get_fsdp_state().group) is None:
+            return
+        if stream is not None and g.mesh_info.replicate_dim is not None:
+            raise ValueError("set_all_reduce_hook: stream cannot be set when using HSDP (a 2-D "
+                             "mesh): the hook runs after FSDP's own all-reduce, on its stream; "
+                             "leave stream=None")
+        g.all_reduce_hook = hook
+        g.all_reduce_hook_stream = stream
+
     def set_reduce_scatter_divide_factor(self, factor: float):
         """Deprecated in PyTorch (``DeprecationWarning``, as there): use
         :meth:`set_gradient_divide_factor`, which this calls."""

@@ -132,6 +132,8 @@ class ParamGroup:
         self.unshard_in_backward = True    # set_unshard_in_backward
         self.all_reduce_grads = True       # set_requires_all_reduce (HSDP)
         self.force_sum_reduction_for_comms = False  # recorded only: ours always sum
+        self.all_reduce_hook = None        # set_all_reduce_hook: fn(reduced flat gradient)
+        self.all_reduce_hook_stream = None
         self.divide_factor: float | None = None
         # per-step state
         self._pending_ag: _PendingAllGather | None = None
@@ -352,6 +354,8 @@ class ParamGroup:
                         continue  # kept for a later backward's all-reduce
                 if factor != 1:
                     out.div_(factor)
+                if self.all_reduce_hook is not None:
+                    self._run_all_reduce_hook(out)
                 for p, off in zip(params, offsets):
                     n = p.padded_numel
                     p.accumulate_grad(p.local_grad_from(out[off:off + n]))
@@ -372,6 +376,20 @@ class ParamGroup:
             return None
         with comm_cause("fsdp.all_reduce"):
             return C.all_reduce(out, info.mesh, info.replicate_dim, "sum")
+
+    def _run_all_reduce_hook(self, out: torch.Tensor):
+        """The user's hook, in place on the reduced (divided) flat gradient before it is written
+        into ``.grad``; on CUDA on the reduce-scatter side stream (the current one here), or on
+        the stream given with it, ordered both ways around the hook."""
+        stream = self.all_reduce_hook_stream
+        if stream is None or not self.streams.is_cuda:
+            self.all_reduce_hook(out)
+            return
+        here = torch.cuda.current_stream(self.device)
+        stream.wait_stream(here)
+        with torch.cuda.stream(stream):
+            self.all_reduce_hook(out)
+        here.wait_stream(stream)
 
     # ================================================================= introspection
     def unsharded_nbytes(self) -> int:

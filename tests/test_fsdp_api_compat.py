@@ -201,3 +201,43 @@ def test_small_setters_divide_factor_sum_reduction_post_optim_event_share_comm_c
     with pytest.raises(ValueError, match="share_comm_ctx takes modules that fully_shard was "
                                          "applied to, got Linear"):
         share_comm_ctx([model, nn.Linear(2, 2)])
+
+
+# ----------------------------------------------------------------------------- all-reduce hook
+
+
+@distributed(world_size=4)
+def test_set_all_reduce_hook_replicates_by_hand_and_after_hsdp():
+    import torch.distributed as dist
+    from tests.test_fsdp_hooks import Net, shard_net
+    torch.manual_seed(0)
+    ref = Net()
+    x = data()
+    ref(x).square().mean().backward()
+    mesh = make_mesh((2, 2))  # (replicate, shard)
+    # 1-D FSDP over "shard"; the hook averages across "replicate" itself: torch's whole-batch mean
+    model = shard_net(copy.deepcopy(ref), mesh["shard"])
+    replicas = mesh.get_group("replicate")
+    seen = []
+
+    def across_replicas(reduced):
+        seen.append(reduced.numel())
+        dist.all_reduce(reduced, group=replicas)
+        reduced.div_(replicas.size())
+
+    for m in (model, *model.blocks):  # not recursive: one call per group
+        m.set_all_reduce_hook(across_replicas)
+    model(my_rows(x)).square().mean().backward()
+    assert_grads_match(model, ref)
+    assert len(seen) == 3  # once per group (one gradient dtype each)
+    # HSDP: the hook sees the all-reduced, divided gradient
+    hsdp = shard_net(copy.deepcopy(ref), mesh)
+    for m in (hsdp, *hsdp.blocks):
+        m.set_all_reduce_hook(lambda reduced: reduced.mul_(3))
+    hsdp(my_rows(x)).square().mean().backward()
+    for p, p_ref in zip(hsdp.parameters(), ref.parameters()):
+        torch.testing.assert_close(p.grad.full_tensor(), 3 * p_ref.grad, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="stream cannot be set when using HSDP"):
+        hsdp.set_all_reduce_hook(lambda r: None, stream=object())
+    with pytest.raises(TypeError, match="takes a callable hook.* got int"):
+        hsdp.set_all_reduce_hook(3)
