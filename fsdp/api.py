@@ -333,6 +333,21 @@ class FSDPModule:
         g.all_reduce_hook = hook
         g.all_reduce_hook_stream = stream
 
+    def set_reduce_scatter_unused_params(self, reduce_scatter_unused_params: bool, *,
+                                         recurse: bool = True):
+        """PyTorch: ``True`` reduce-scatters zeros for parameters that got no gradient in this
+        backward, so ranks whose control flow used different parameters (mixture of experts)
+        still issue matching collectives. Ours always do: every trainable parameter of a group
+        has its segment in the reduce-scatter (zeros without a gradient), so this only records
+        the setting. (With ``False`` PyTorch leaves ``.grad`` ``None`` for a parameter that no
+        rank used; ours writes zeros.)"""
+        if not isinstance(reduce_scatter_unused_params, bool):
+            raise TypeError(f"set_reduce_scatter_unused_params takes a bool, got "
+                            f"{reduce_scatter_unused_params!r}")
+        for m in self._fsdp_modules(recurse):
+            if (g := m._get_fsdp_state().group) is not None:
+                g.reduce_scatter_unused_params = reduce_scatter_unused_params
+
     def set_reduce_scatter_divide_factor(self, factor: float):
         """Deprecated in PyTorch (``DeprecationWarning``, as there): use
         :meth:`set_gradient_divide_factor`, which this calls."""

@@ -132,6 +132,7 @@ class ParamGroup:
         self.unshard_in_backward = True    # set_unshard_in_backward
         self.all_reduce_grads = True       # set_requires_all_reduce (HSDP)
         self.force_sum_reduction_for_comms = False  # recorded only: ours always sum
+        self.reduce_scatter_unused_params = False   # recorded only: ours always include them
         self.all_reduce_hook = None        # set_all_reduce_hook: fn(reduced flat gradient)
         self.all_reduce_hook_stream = None
         self.divide_factor: float | None = None

@@ -241,3 +241,34 @@ def test_set_all_reduce_hook_replicates_by_hand_and_after_hsdp():
         hsdp.set_all_reduce_hook(lambda r: None, stream=object())
     with pytest.raises(TypeError, match="takes a callable hook.* got int"):
         hsdp.set_all_reduce_hook(3)
+
+
+# ----------------------------------------------------------------------------- unused parameters
+
+
+class TwoExperts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.experts = nn.ModuleList(nn.Linear(6, 4) for _ in range(2))
+
+    def forward(self, x, expert):
+        return self.experts[expert](x)
+
+
+@distributed(world_size=2)
+def test_set_reduce_scatter_unused_params_ranks_use_different_experts():
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    ref = TwoExperts()
+    model = copy.deepcopy(ref)
+    fully_shard(model, mesh=make_mesh((2,)))
+    model.set_reduce_scatter_unused_params(True)
+    x = data()
+    rows = x.chunk(2)
+    # rank r runs expert r on its rows; the data-parallel loss is the mean of the ranks' losses
+    sum(ref(rows[r], r).square().mean() for r in range(2)).div(2).backward()
+    rank = dist.get_rank()
+    model(my_rows(x), rank).square().mean().backward()
+    assert_grads_match(model, ref)
+    with pytest.raises(TypeError, match="takes a bool, got None"):
+        model.set_reduce_scatter_unused_params(None)
