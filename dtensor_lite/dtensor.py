@@ -182,7 +182,8 @@ class DTensor(torch.Tensor):
 
     @boundary
     def redistribute(self, device_mesh: DeviceMesh | None = None, placements=None, *,
-                     async_op: bool = False) -> "DTensor":
+                     async_op: bool = False, forward_dtype: torch.dtype | None = None,
+                     backward_dtype: torch.dtype | None = None) -> "DTensor":
         """The same global tensor with new ``placements``, at the least communication.
 
         ``async_op=True`` returns as soon as the plan's last collective is *issued*: the result's
@@ -190,13 +191,24 @@ class DTensor(torch.Tensor):
         redistribute), so compute placed in between overlaps with the communication. Its
         backward redistributes the gradient the same way. Values equal the synchronous path.
 
+        ``forward_dtype`` casts the local piece before the collectives (the result is in that
+        dtype: e.g. bf16 communication of an fp32 tensor moves half the bytes).
+        ``backward_dtype`` casts the gradient before the backward collectives; after them it is
+        cast back to this DTensor's dtype. Without it the backward runs at this DTensor's dtype
+        (not ``forward_dtype``).
+
         Example::
 
             >>> y = x.redistribute(mesh, [Replicate(), Shard(1)])
             >>> print(explain_redistribute(x, mesh, [Replicate(), Shard(1)]))  # the plan
+            >>> y16 = x.redistribute(mesh, [Replicate()], forward_dtype=torch.bfloat16)
         """
         dst = redistribute_target(self._spec, device_mesh, placements)
-        return _Redistribute.apply(self, dst, bool(async_op))
+        for name, dtype in (("forward_dtype", forward_dtype), ("backward_dtype", backward_dtype)):
+            if dtype is not None and not isinstance(dtype, torch.dtype):
+                raise TypeError(f"redistribute: {name} must be a torch.dtype or None, got "
+                                f"{dtype!r}")
+        return _Redistribute.apply(self, dst, bool(async_op), forward_dtype, backward_dtype)
 
     @boundary
     def full_tensor(self, *, grad_placements=None) -> torch.Tensor:
@@ -304,20 +316,38 @@ class _ToLocal(torch.autograd.Function):
         return DTensor(grad, DTensorSpec(spec.mesh, spec.placements, meta, spec.shard_order)), None
 
 
+def _with_dtype(spec: DTensorSpec, dtype: torch.dtype) -> DTensorSpec:
+    return DTensorSpec(spec.mesh, spec.placements, spec.tensor_meta._replace(dtype=dtype),
+                       spec.shard_order)
+
+
+def _cast(dt: "DTensor", dtype: torch.dtype | None) -> "DTensor":
+    """``dt`` with its local piece cast to ``dtype`` (no communication; None: unchanged)."""
+    if dtype is None or dt.dtype == dtype:
+        return dt
+    return DTensor(dt._local_tensor.to(dtype), _with_dtype(dt._spec, dtype))
+
+
 class _Redistribute(torch.autograd.Function):
     # CommDebugMode labels: "redistribute" unless an op's dispatch is redistributing (its label)
     @staticmethod
-    def forward(ctx, dt, dst, async_op):
-        ctx.src, ctx.async_op = dt._spec, async_op
+    def forward(ctx, dt, dst, async_op, forward_dtype=None, backward_dtype=None):
+        ctx.src, ctx.async_op, ctx.backward_dtype = dt._spec, async_op, backward_dtype
+        if forward_dtype is not None:  # cast before the collectives: they move forward_dtype
+            dt, dst = _cast(dt, forward_dtype), _with_dtype(dst, forward_dtype)
         with debug.outermost_cause("redistribute"):
             return _redistributed(dt, dst, async_op)
 
     @staticmethod
     def backward(ctx, grad):
         grad = _as_grad_dtensor(grad, ctx.src)
+        # the backward collectives run at backward_dtype, by default at the input's dtype (not
+        # the forward's); the input's gradient is always in the input's dtype
+        grad = _cast(grad, ctx.backward_dtype or ctx.src.dtype)
         target = _grad_target(ctx.src, grad._spec)
         with debug.outermost_cause("redistribute.backward"):
-            return _redistributed(grad, target, ctx.async_op), None, None
+            out = _redistributed(grad, target, ctx.async_op)
+        return _cast(out, ctx.src.dtype), None, None, None, None
 
 
 _DEFAULT_MESHES: dict = _caches.register({})  # device type -> 1-D world mesh

@@ -656,3 +656,89 @@ def test_explain_redistribute_output():
     printed = out.getvalue()
     assert "all_gather" in printed and str(inner) in printed and "36" in printed
     assert "mesh dim" in printed and "bytes/rank" in printed
+
+
+# ============================================================== forward_dtype / backward_dtype
+BF16_UNIT_ROUNDOFF = 2.0 ** -8  # bf16 keeps 8 significant bits: relative rounding error <= 2^-8
+
+
+@distributed(world_size=4)
+def test_redistribute_forward_dtype_communicates_in_bf16():
+    """forward_dtype=bf16 on an fp32 DTensor: the all_gather moves bf16 (half the fp32 bytes),
+    the result is bf16 and equals torch's g.to(bf16) bit for bit (a gather only copies); the
+    input's gradient stays fp32."""
+    mesh = make_mesh((4,))
+    g = torch.randn(8, 6)
+    x = distribute_tensor(g, mesh, [Shard(0)]).requires_grad_()
+    with CommDebugMode() as comm32:
+        y32 = x.redistribute(mesh, [Replicate()])
+    with CommDebugMode() as comm16:
+        y16 = x.redistribute(mesh, [Replicate()], forward_dtype=torch.bfloat16)
+    assert comm32.get_comm_bytes() == {"all_gather": 3 * 2 * 6 * 4}
+    assert comm16.get_comm_bytes() == {"all_gather": 3 * 2 * 6 * 2}
+    assert y32.dtype == torch.float32 and y16.dtype == torch.bfloat16
+    assert y16.to_local().dtype == torch.bfloat16
+    assert torch.equal(y16.to_local(), g.to(torch.bfloat16))
+    # backward of Shard->Replicate is a local chunk: the gradient comes back in fp32
+    (y16.to(torch.float32) * 3).sum().backward()
+    assert x.grad.dtype == torch.float32 and x.grad.to_local().dtype == torch.float32
+    assert torch.equal(x.grad.full_tensor(), torch.full_like(g, 3.0))
+    with pytest.raises(TypeError, match="forward_dtype must be a torch.dtype"):
+        x.redistribute(mesh, [Replicate()], forward_dtype="bf16")
+
+
+@distributed(world_size=4)
+def test_redistribute_backward_dtype_gathers_gradient_in_bf16():
+    """Replicate->Shard(0): the backward is an all_gather of the gradient. backward_dtype=bf16
+    moves bf16 bytes; None moves the input's fp32 (not forward_dtype's). The gradient w arrives
+    already rounded to bf16 (the backward of .to(fp32) on a bf16 tensor), so both equal
+    torch's w.to(bf16).to(fp32) exactly, in fp32."""
+    mesh = make_mesh((4,))
+    g, w = torch.randn(8, 6), torch.randn(8, 6)
+    expected = w.to(torch.bfloat16).to(torch.float32)
+    for backward_dtype, itemsize in ((torch.bfloat16, 2), (None, 4)):
+        x = distribute_tensor(g, mesh, [Replicate()]).requires_grad_()
+        y = x.redistribute(mesh, [Shard(0)], forward_dtype=torch.bfloat16,
+                           backward_dtype=backward_dtype)
+        assert y.dtype == torch.bfloat16
+        assert torch.equal(y.full_tensor(), g.to(torch.bfloat16))
+        loss = (y.to(torch.float32) * distribute_tensor(w, mesh, [Shard(0)])).sum()
+        with CommDebugMode() as comm:
+            loss.backward()
+        assert comm.get_comm_bytes() == {"all_gather": 3 * 2 * 6 * itemsize}, backward_dtype
+        assert x.grad.dtype == torch.float32 and x.grad.to_local().dtype == torch.float32
+        assert torch.equal(x.grad.to_local(), expected)
+
+
+@distributed(world_size=4)
+def test_redistribute_backward_dtype_reduces_gradient_in_bf16():
+    """A Partial(sum) gradient (each rank's own w_r) reduce-scattered in bf16. Oracle: the fp64
+    sum of the w_r, chunked. Each term is rounded to bf16 once (the cast) and the sum of 4 terms
+    at most 3 more times, so the error is within gamma_4 * sum|w_r| with gamma_n = n*u/(1-n*u),
+    u = 2^-8 (the classical bound for recursive summation; a reduction that adds in fp32 only
+    does better). fp32's gradient reduce (backward_dtype=None) stays within fp32's gamma_4."""
+    mesh = make_mesh((4,))
+    r = mesh.get_coordinate()[0]
+    g = torch.randn(8, 6)
+    ws = torch.randn(4, 8, 6, generator=torch.Generator().manual_seed(1))
+    for backward_dtype, u, itemsize in ((torch.bfloat16, BF16_UNIT_ROUNDOFF, 2),
+                                        (None, 2.0 ** -24, 4)):
+        x = distribute_tensor(g, mesh, [Shard(0)]).requires_grad_()
+        y = x.redistribute(mesh, [Replicate()], forward_dtype=torch.bfloat16,
+                           backward_dtype=backward_dtype)
+        local = y.to_local(grad_placements=[Partial()])
+        loss = (local.to(torch.float32) * ws[r]).sum()
+        with CommDebugMode() as comm:
+            loss.backward()
+        assert comm.get_comm_bytes() == {"reduce_scatter": 3 * 2 * 6 * itemsize}, backward_dtype
+        got = x.grad.to_local()
+        assert got.dtype == torch.float32
+        # the terms reach the reduce already rounded to bf16 (the backward of local.to(fp32));
+        # with backward_dtype=None they are then summed in fp32: oracle and bound use the
+        # rounded terms there, while the bf16 bound counts that rounding among its 4
+        terms = ws.double() if backward_dtype is not None else ws.to(torch.bfloat16).double()
+        exact = torch.chunk(terms.sum(0), 4)[r]
+        gamma = 4 * u / (1 - 4 * u)
+        err = (got.double() - exact).abs()
+        assert (err <= gamma * torch.chunk(terms.abs().sum(0), 4)[r]).all(), (
+            backward_dtype, err.max())
