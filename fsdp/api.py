@@ -35,7 +35,7 @@ __all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy",
 
 
 def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
-                reshard_after_forward: bool | int = True,
+                reshard_after_forward: bool | int | None = None,
                 shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy(),
@@ -51,7 +51,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
       all-gathers them again in backward (ZeRO-3); ``False`` keeps them until the end of backward
       (ZeRO-2); an int ``N`` dividing the shard size keeps a 1/N piece after forward and
       all-gathers within groups of N ranks in backward. The root always keeps its parameters
-      (backward starts right after its forward) unless set otherwise explicitly.
+      (backward starts right after its forward) unless set otherwise explicitly. ``None``
+      (default, as torch's): ``True`` for non-root modules, the root keeping its parameters.
     * ``shard_placement_fn(param)``: ``Shard(d)`` to shard ``param`` on dim ``d``; ``None``: dim 0.
     * ``mp_policy``: :class:`MixedPrecisionPolicy`. ``offload_policy``: :class:`CPUOffloadPolicy`
       to keep sharded parameters and gradients on the CPU.
@@ -76,6 +77,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
                         f"{type(mesh).__name__}")
     device = _mesh_device(mesh)
     info = MeshInfo(mesh)
+    if reshard_after_forward is None:
+        reshard_after_forward = True  # a root keeps its parameters whatever this says
     _check_reshard_after_forward(reshard_after_forward, info)
     if not isinstance(mp_policy, MixedPrecisionPolicy):
         raise TypeError(f"fully_shard: mp_policy must be a MixedPrecisionPolicy, got {mp_policy!r}")

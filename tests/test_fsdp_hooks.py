@@ -312,6 +312,24 @@ def test_root_can_reshard_after_forward_when_asked():
     assert_grads_match(model, ref)
 
 
+@distributed(world_size=2)
+def test_reshard_after_forward_none_is_torchs_default():
+    """``None`` (torch's default): blocks reshard after forward, the root keeps its parameters."""
+    ref = Net()
+    model = _copy(ref)
+    for b in model.blocks:
+        fully_shard(b, mesh=make_mesh((2,)), reshard_after_forward=None)
+    fully_shard(model, mesh=make_mesh((2,)), reshard_after_forward=None)
+    x = data()
+    out = model(my_rows(x))
+    assert all(isinstance(p, DTensor) for b in model.blocks for p in b.parameters())
+    root_own = [p for n, p in model.named_parameters(recurse=True) if not n.startswith("blocks")]
+    assert root_own and not any(isinstance(p, DTensor) for p in root_own)
+    ref(x).square().mean().backward()
+    out.square().mean().backward()
+    assert_grads_match(model, ref)
+
+
 # ----------------------------------------------------------------------------- errors
 
 
