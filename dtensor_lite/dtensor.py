@@ -135,12 +135,18 @@ class DTensor(torch.Tensor):
     @boundary
     def from_local(local_tensor: torch.Tensor, device_mesh: DeviceMesh | None = None,
                    placements=None, *, run_check: bool = False, shape=None,
-                   stride=None) -> "DTensor":
+                   stride=None, grad_placements=None) -> "DTensor":
         """Wrap each rank's ``local_tensor`` as the pieces of one global DTensor.
 
         Without ``shape``, Shard dims are assumed even (global = local * mesh size); pass
         ``shape`` for uneven shards, or ``run_check=True`` to gather the local shapes and derive
         the exact global shape (and check that Replicate pieces agree). Differentiable.
+
+        In backward the DTensor's gradient is redistributed to ``grad_placements`` before it
+        becomes ``local_tensor``'s gradient (default: ``placements``, with Partial dims as
+        Replicate). E.g. ``grad_placements=[Partial()]`` on a Replicate input leaves each rank
+        its own term of the gradient, with no all-reduce. Each rank's piece under
+        ``grad_placements`` must have ``local_tensor``'s shape.
 
         Example::
 
@@ -170,7 +176,10 @@ class DTensor(torch.Tensor):
                 f"{mesh.get_rank()} does not match global shape {tuple(shape)} with placements "
                 f"{list(placements)} (this rank should hold {expected}); pass the right shape= "
                 "or use run_check=True to derive it from all ranks")
-        return _FromLocal.apply(local_tensor, spec)
+        grad_layout = _grad_layout(spec, grad_placements)
+        if grad_layout is not None:
+            _check_grad_layout_fits(spec, grad_layout)
+        return _FromLocal.apply(local_tensor, spec, grad_layout)
 
     @boundary
     def to_local(self, *, grad_placements=None) -> torch.Tensor:
@@ -248,10 +257,44 @@ def _redistributed(dt: "DTensor", dst: DTensorSpec, async_op: bool) -> "DTensor"
     return DTensor._from_pending(out, dst, dt._local_tensor)
 
 
+def _grad_layout(spec: DTensorSpec, grad_placements) -> DTensorSpec | None:
+    """The layout the user's ``grad_placements`` give a gradient of a tensor laid out as
+    ``spec`` (from_local and to_local; None when not given)."""
+    if grad_placements is None:
+        return None
+    placements = normalize_placements(grad_placements, spec.mesh, spec.ndim)
+    return DTensorSpec(spec.mesh, placements, spec.tensor_meta)
+
+
+def _check_grad_layout_fits(spec: DTensorSpec, grad_layout: DTensorSpec) -> None:
+    """from_local's gradient is the local piece of ``grad_layout``: it must fit the local tensor
+    on every rank (checked for all coordinates, so every rank raises or none does)."""
+    import itertools
+    mesh = spec.mesh
+    for coord in itertools.product(*(range(n) for n in mesh.shape)):
+        have = spec.local_shape_and_offset(coord)[0]
+        want = grad_layout.local_shape_and_offset(coord)[0]
+        if have != want:
+            raise ValueError(
+                f"from_local: grad_placements {list(grad_layout.placements)} give the rank at "
+                f"mesh coordinate {list(coord)} a gradient of shape {want}, but its local tensor "
+                f"(placements {list(spec.placements)}, global shape {tuple(spec.shape)}) has "
+                f"shape {have}; a local tensor's gradient must have its shape: use "
+                "grad_placements that shard the same dims (e.g. Partial() or Replicate() where "
+                "placements replicate)")
+    if grad_layout.placements != _grad_target(spec, spec).placements and any(
+            p.is_partial() and p.reduce_op in ("max", "min") for p in spec.placements):
+        raise ValueError(
+            f"from_local: grad_placements {list(grad_layout.placements)} with Partial max/min "
+            f"placements {list(spec.placements)} are not supported (the gradient goes to the "
+            "rank(s) holding the extreme, which needs it laid out as the default, Replicate on "
+            "the Partial dims); leave grad_placements=None")
+
+
 class _FromLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, local, spec):
-        ctx.spec = spec
+    def forward(ctx, local, spec, grad_layout=None):
+        ctx.spec, ctx.grad_layout = spec, grad_layout
         if any(p.is_partial() and p.reduce_op != "sum" for p in spec.placements):
             ctx.save_for_backward(local)  # max/min need to know which rank held the extreme
         return DTensor(local.view_as(local), spec)
@@ -264,11 +307,16 @@ class _FromLocal(torch.autograd.Function):
     @staticmethod
     def _backward(ctx, grad):
         grad = _as_grad_dtensor(grad, ctx.spec)
-        target = _grad_target(ctx.spec, grad._spec)
+        if ctx.grad_layout is None:
+            target = _grad_target(ctx.spec, grad._spec)
+        else:  # the user's layout, Partial dims included (a Partial gradient stays unreduced)
+            layout = ctx.grad_layout
+            target = DTensorSpec(layout.mesh, layout.placements, grad._spec.tensor_meta,
+                                 layout.shard_order)
         local_grad = redistribute_local(grad._local_tensor, grad._spec, target)
         if ctx.saved_tensors:
             local_grad = _partial_local_grad(local_grad, ctx.saved_tensors[0], ctx.spec)
-        return local_grad, None
+        return local_grad, None, None
 
 
 def _partial_local_grad(grad: torch.Tensor, local: torch.Tensor, spec: DTensorSpec):
@@ -297,11 +345,7 @@ def _partial_local_grad(grad: torch.Tensor, local: torch.Tensor, spec: DTensorSp
 class _ToLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dt, grad_placements):
-        spec = dt._spec
-        if grad_placements is not None:
-            grad_placements = normalize_placements(grad_placements, spec.mesh, spec.ndim)
-            spec = DTensorSpec(spec.mesh, grad_placements, spec.tensor_meta)
-        ctx.spec = spec
+        ctx.spec = _grad_layout(dt._spec, grad_placements) or dt._spec
         return dt._local_tensor.view_as(dt._local_tensor)
 
     @staticmethod

@@ -375,6 +375,69 @@ def test_from_local_errors():
 
 
 @distributed(world_size=4)
+def test_from_local_grad_placements_partial_skips_the_all_reduce():
+    """Oracle: plain torch, f(X) = sum_r (X * w_r).sum(), so X.grad = sum_r w_r. By default
+    from_local's Replicate input gets that gradient on every rank (one all_reduce);
+    grad_placements=[Partial()] leaves each rank its own term w_r (no collective), and the
+    terms add up to torch's gradient. Integer-valued w_r: every sum is exact."""
+    from dtensor_lite.debug import CommDebugMode
+    mesh = init_device_mesh("cpu", (4,))
+    r = mesh.get_local_rank()
+    x0 = torch.randn(5, 3)  # same seed on every rank: a valid replica
+    ws = torch.randint(-8, 9, (4, 5, 3), generator=torch.Generator().manual_seed(1)).float()
+    oracle = x0.clone().requires_grad_()
+    sum((oracle * w).sum() for w in ws).backward()
+    for grad_placements, counts in ((None, {"all_reduce": 1}), ([Partial()], {})):
+        x = x0.clone().requires_grad_()
+        dt = DTensor.from_local(x, mesh, [Replicate()], grad_placements=grad_placements)
+        loss = (dt.to_local(grad_placements=[Partial()]) * ws[r]).sum()
+        with CommDebugMode() as comm:
+            loss.backward()
+        assert comm.get_comm_counts() == counts, grad_placements
+        if grad_placements is None:
+            assert torch.equal(x.grad, oracle.grad)
+        else:
+            assert torch.equal(x.grad, ws[r])
+            total = x.grad.clone()
+            dist.all_reduce(total)
+            assert torch.equal(total, oracle.grad)
+
+
+@distributed(world_size=4)
+def test_from_local_grad_placements_on_a_2d_mesh():
+    """A (2, 2) mesh, [Shard(0), Replicate()] pieces. Oracle: d/dX sum(X * W) = W. With
+    grad_placements=[Shard(0), Partial()] the two ranks of a mesh-dim-1 row hold terms adding up
+    to W's row chunk; with the default each holds the chunk itself."""
+    mesh = init_device_mesh("cpu", (2, 2))
+    c0, c1 = mesh.get_coordinate()
+    xg = torch.randn(6, 4)
+    wg = torch.randint(-8, 9, (6, 4), generator=torch.Generator().manual_seed(2)).float()
+    w = distribute_tensor(wg, mesh, [Shard(0), Shard(1)])
+    for grad_placements in (None, [Shard(0), Partial()]):
+        x = xg.chunk(2)[c0].clone().requires_grad_()
+        dt = DTensor.from_local(x, mesh, [Shard(0), Replicate()],
+                                grad_placements=grad_placements)
+        assert torch.equal(dt.full_tensor(), xg)
+        (dt * w).sum().backward()
+        total = x.grad.clone()
+        if grad_placements is not None:
+            dist.all_reduce(total, group=mesh.get_group(1))
+        assert torch.equal(total, wg.chunk(2)[c0]), grad_placements
+    # a gradient laid out as grad_placements must fit the local tensor, on every rank
+    piece = xg.chunk(2)[c0]
+    with pytest.raises(ValueError, match=r"grad_placements \[Replicate\(\), Replicate\(\)\] give "
+                                         r"the rank at mesh coordinate \[0, 0\] a gradient of "
+                                         r"shape \(6, 4\).*has shape \(3, 4\)"):
+        DTensor.from_local(piece, mesh, [Shard(0), Replicate()],
+                           grad_placements=[Replicate(), Replicate()])
+    with pytest.raises(ValueError, match="one placement per mesh dimension"):
+        DTensor.from_local(piece, mesh, [Shard(0), Replicate()], grad_placements=[Shard(0)])
+    with pytest.raises(ValueError, match="Partial max/min"):
+        DTensor.from_local(piece, mesh, [Shard(0), Partial("max")],
+                           grad_placements=[Shard(0), Partial()])
+
+
+@distributed(world_size=4)
 def test_from_local_run_check_same_replicas_passes():
     mesh = init_device_mesh("cpu", (2, 2))
     x = torch.randn(4, 4)  # same seed on every rank
