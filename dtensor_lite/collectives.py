@@ -412,7 +412,7 @@ def scatter(chunks: list[torch.Tensor] | None, out: torch.Tensor, mesh, mesh_dim
     scatter_list = None
     if dg.coordinate == src_coord:
         wired = [_wire(c) for c in chunks]
-        scatter_list = [wired[dg.ranks.index(r)] for r in sorted(dg.ranks)]
+        scatter_list = [wired[c] for c in dg.coord_of_group_rank]  # group-rank order
     _launch("scatter", _issue(dist.scatter, x, scatter_list, src=src, group=dg.group),
             lambda: None, False)
     _report("scatter", (n - 1) * x.numel() * x.element_size(), n, mesh, mesh_dim)

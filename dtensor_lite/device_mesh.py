@@ -23,24 +23,26 @@ class _DimGroup:
     """The process group of one mesh dimension, seen from this rank.
 
     ``ranks`` are the global ranks of this rank's row, in mesh-coordinate order. torch's
-    ``new_group`` numbers group members in sorted global-rank order, so when a row is not sorted
-    the collectives layer reorders chunks with ``group_rank_of_coord`` / ``coord_of_group_rank``.
+    ``new_group`` numbers group members in sorted global-rank order (``group_order``: the global
+    rank of each group rank, for a group the user built otherwise), so when a row is not in that
+    order the collectives layer reorders chunks with ``group_rank_of_coord`` /
+    ``coord_of_group_rank``. ``is_sorted``: the row is in group order (no reordering).
     """
 
     __slots__ = ("group", "ranks", "size", "coordinate", "group_rank_of_coord",
                  "coord_of_group_rank", "is_sorted")
 
-    def __init__(self, group, ranks: tuple[int, ...], my_rank: int):
+    def __init__(self, group, ranks: tuple[int, ...], my_rank: int, group_order=None):
         self.group = group
         self.ranks = ranks
         self.size = len(ranks)
         self.coordinate = ranks.index(my_rank)
-        sorted_ranks = sorted(ranks)
-        self.is_sorted = list(ranks) == sorted_ranks
-        # group rank g holds the rank sorted_ranks[g]; its mesh coordinate is ranks.index(...)
-        self.group_rank_of_coord = tuple(sorted_ranks.index(r) for r in ranks)
+        group_order = list(group_order) if group_order is not None else sorted(ranks)
+        self.is_sorted = list(ranks) == group_order
+        # group rank g holds the rank group_order[g]; its mesh coordinate is ranks.index(...)
+        self.group_rank_of_coord = tuple(group_order.index(r) for r in ranks)
         # the inverse: the mesh coordinate of group rank g
-        self.coord_of_group_rank = tuple(ranks.index(r) for r in sorted_ranks)
+        self.coord_of_group_rank = tuple(ranks.index(r) for r in group_order)
 
 
 class _GroupCache:
@@ -121,7 +123,8 @@ class DeviceMesh:
     """
 
     def __init__(self, device_type: str, mesh, *, mesh_dim_names: Sequence[str] | None = None,
-                 _root: "DeviceMesh | None" = None, _root_dims: tuple | None = None):
+                 _root: "DeviceMesh | None" = None, _root_dims: tuple | None = None,
+                 _given_groups: dict | None = None):
         _require_initialized("DeviceMesh")
         if _root is None:
             mesh_tensor = _validate_mesh(mesh)
@@ -129,6 +132,10 @@ class DeviceMesh:
             self._root_mesh = mesh_tensor
             self._root_dims = tuple((d,) for d in range(mesh_tensor.ndim))
             self._flat_names: dict[str, tuple[int, ...]] = {}
+            # from_group: {(root dim,): (the user's group, its ranks in group-rank order)}. Held
+            # by the root mesh only (its slices use them too), never by the shared cache: the
+            # user's groups die with this mesh, and other meshes keep the cache's groups
+            self._given_groups = dict(_given_groups or {})
             # an exception that ends this process is posted, so the other ranks stop at their next
             # collective naming it (by default: torchrun / torchtitan mains let it escape)
             _failures.install_excepthook()
@@ -148,7 +155,7 @@ class DeviceMesh:
         self._shape = tuple(self.mesh.shape)
         self.ndim = len(self._shape)
         if _root is None:
-            if root_mesh.numel() != self._world_size:
+            if root_mesh.numel() != self._world_size and not self._given_groups:
                 # checked from the mesh alone so that every rank raises the same error: a
                 # member-only error would leave the members holding a mesh the others never built
                 raise ValueError(
@@ -195,9 +202,81 @@ class DeviceMesh:
         rows_tensor = self._root_mesh.permute(*others, *root_dims).reshape(
             -1, math.prod(self._root_mesh.shape[d] for d in root_dims))
         rows = tuple(tuple(int(r) for r in row) for row in rows_tensor.tolist())
-        group = _GROUPS.group_for_rows(rows, self._world_size)
         my_row = next(row for row in rows if self._rank in row)
+        given = self._root._given_groups.get(root_dims)
+        if given is not None:
+            return _DimGroup(given[0], my_row, self._rank, given[1])
+        if self._root_mesh.numel() != self._world_size:
+            # a new group is made by every rank of the world, and ranks outside a sub-world mesh
+            # never get here: they would leave the members waiting in new_group
+            raise ValueError(
+                f"{self._root!r} (from DeviceMesh.from_group) covers {self._root_mesh.numel()} of "
+                f"{self._world_size} ranks, so it has no process group for mesh dims "
+                f"{list(root_dims)} joined together; build such groups with dist.new_group on "
+                "every rank and pass them to DeviceMesh.from_group")
+        group = _GROUPS.group_for_rows(rows, self._world_size)
         return _DimGroup(group, my_row, self._rank)
+
+    @classmethod
+    def from_group(cls, group, device_type: str, mesh=None, *,
+                   mesh_dim_names: Sequence[str] | None = None) -> "DeviceMesh":
+        """A mesh whose dims talk over process groups the caller already has (torch's
+        signature). One group: a 1-D mesh over its ranks (``mesh`` defaults to them in
+        group-rank order). A list of groups: ``mesh`` (global ranks, one tensor dim per group)
+        is required, and group ``d`` must hold exactly this rank's row along mesh dim ``d``.
+        Not collective: only the mesh's members call it, and no group is created. The groups
+        are kept by this mesh (and its slices), not shared with other meshes; like every mesh,
+        it fails clearly after ``destroy_process_group``.
+
+        Example::
+
+            >>> g = dist.new_group([0, 1, 2, 3])           # a 4-rank world, on every rank
+            >>> mesh = DeviceMesh.from_group(g, "cpu")     # 1-D; its collectives run on g
+            >>> rows = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes all
+            >>> cols = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+            >>> mesh2d = DeviceMesh.from_group([cols[rank % 2], rows[rank // 2]], "cpu",
+            ...                                mesh=[[0, 1], [2, 3]], mesh_dim_names=("dp", "tp"))
+        """
+        _require_initialized("DeviceMesh.from_group")
+        groups = list(group) if isinstance(group, (list, tuple)) else [group]
+        if not groups:
+            raise ValueError("DeviceMesh.from_group needs a ProcessGroup or a non-empty list of "
+                             "them, got an empty list")
+        for d, g in enumerate(groups):
+            if not isinstance(g, dist.ProcessGroup):
+                raise TypeError(f"DeviceMesh.from_group: group {d} is a {type(g).__name__}, not a "
+                                "ProcessGroup (this rank is not a member of a group it was not "
+                                "in when dist.new_group made it: call from_group on members only)")
+        group_ranks = [tuple(dist.get_process_group_ranks(g)) for g in groups]
+        if mesh is None:
+            if len(groups) > 1:
+                raise ValueError(
+                    f"DeviceMesh.from_group with {len(groups)} groups needs mesh= (the global "
+                    "ranks, one tensor dim per group) to say how they form the mesh")
+            mesh = list(group_ranks[0])
+        mesh_tensor = _validate_mesh(mesh)
+        if mesh_tensor.ndim != len(groups):
+            raise ValueError(f"DeviceMesh.from_group: {len(groups)} group(s) for a "
+                             f"{mesh_tensor.ndim}-D mesh {mesh_tensor.tolist()}; pass one group "
+                             "per mesh dim")
+        me = dist.get_rank()
+        where = (mesh_tensor == me).nonzero()
+        if where.numel() == 0:
+            raise ValueError(f"DeviceMesh.from_group: rank {me} is not in the mesh "
+                             f"{mesh_tensor.tolist()}; only the mesh's ranks may build it")
+        coord = [int(i) for i in where[0]]
+        for d, ranks in enumerate(group_ranks):
+            index = list(coord)
+            index[d] = slice(None)
+            row = mesh_tensor[tuple(index)].tolist()
+            if sorted(row) != sorted(ranks):
+                raise ValueError(
+                    f"DeviceMesh.from_group: group {d} holds ranks {list(ranks)} but rank {me}'s "
+                    f"row along mesh dim {d} of {mesh_tensor.tolist()} is {row}; group d must "
+                    "hold exactly the ranks that differ from this rank only in mesh dim d")
+        given = {(d,): (g, ranks) for d, (g, ranks) in enumerate(zip(groups, group_ranks))}
+        return cls(device_type, mesh_tensor, mesh_dim_names=mesh_dim_names,
+                   _given_groups=given)
 
     # ----------------------------------------------------------------- public API
     @property

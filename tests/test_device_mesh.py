@@ -349,3 +349,112 @@ def _old_style_device_type():
 def test_device_type_with_index_is_rejected():
     msgs = run_distributed(2, _old_style_device_type)
     assert all(m is not None and "not a device" in m for m in msgs)
+
+
+# ----------------------------------------------------------------------------- from_group
+
+
+class _IssuedGroups:
+    """Records the process group of every collective the collectives layer issues."""
+
+    def __enter__(self):
+        from dtensor_lite import collectives
+        self._module, self._real, self.groups = collectives, collectives._issue, []
+
+        def issue(collective, *args, group, **kwargs):
+            self.groups.append(group)
+            return self._real(collective, *args, group=group, **kwargs)
+        collectives._issue = issue
+        return self
+
+    def __exit__(self, *exc):
+        self._module._issue = self._real
+
+
+@distributed(world_size=4)
+def test_from_group_1d_uses_the_given_group():
+    g = dist.new_group([0, 1, 2, 3])
+    assert g is not dist.distributed_c10d._get_default_group()
+    mesh = DeviceMesh.from_group(g, "cpu", mesh_dim_names=("dp",))
+    assert mesh.shape == (4,) and mesh.mesh.tolist() == [0, 1, 2, 3]
+    assert mesh.get_group() is g and mesh["dp"].get_group() is g
+    x = torch.randn(7, 3)
+    with _IssuedGroups() as issued:
+        d = distribute_tensor(x, mesh, [Shard(0)])
+        full = d.redistribute(mesh, [Replicate()]).to_local()
+        p = distribute_tensor(x, mesh, [Partial()]).redistribute(mesh, [Shard(1)])
+    assert torch.equal(full, x)
+    assert torch.equal(p.full_tensor(), x)
+    assert issued.groups and all(grp is g for grp in issued.groups)
+    # the shared group cache did not adopt the user's group
+    assert init_device_mesh("cpu", (4,)).get_group() is not g
+
+
+@distributed(world_size=4)
+def test_from_group_2d_list_of_groups():
+    rank = dist.get_rank()
+    rows = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank makes every group
+    cols = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    dp, tp = cols[rank % 2], rows[rank // 2]
+    mesh = DeviceMesh.from_group([dp, tp], "cpu", mesh=[[0, 1], [2, 3]],
+                                 mesh_dim_names=("dp", "tp"))
+    assert mesh.shape == (2, 2) and mesh.get_coordinate() == [rank // 2, rank % 2]
+    assert mesh.get_group("dp") is dp and mesh["tp"].get_group() is tp
+    assert _group_sum(rank, mesh.get_group("tp")) == [1.0, 5.0][rank // 2]
+    x = torch.randn(6, 5)
+    # (distribute_tensor's scatter runs over all 4 ranks at once: a joined group of the cache)
+    d = distribute_tensor(x, mesh, [Shard(0), Shard(1)])
+    p = distribute_tensor(x, mesh, [Partial(), Shard(0)])
+    with _IssuedGroups() as issued:
+        assert torch.equal(d.redistribute(mesh, [Replicate(), Replicate()]).to_local(), x)
+        q = p.redistribute(mesh, [Shard(1), Replicate()])
+        assert torch.equal(q.redistribute(mesh, [Replicate(), Replicate()]).to_local(), x)
+    assert issued.groups and all(grp is dp or grp is tp for grp in issued.groups)
+    assert any(grp is dp for grp in issued.groups) and any(grp is tp for grp in issued.groups)
+    # a 1-D slice of it and a plain mesh over the same ranks keep their own groups
+    assert init_device_mesh("cpu", (2, 2)).get_group(1) is not tp
+    # joining the two dims needs a group over all 4 ranks: made through the cache, collectively
+    flat = mesh._flatten("dp_tp")
+    assert torch.equal(distribute_tensor(x, flat, [Shard(0)]).full_tensor(), x)
+
+
+@distributed(world_size=4)
+def test_from_group_over_a_subgroup_of_the_world():
+    """A group over ranks [0, 1] (and another over [2, 3]): each pair gets a 1-D mesh of 2 over
+    its own ranks, as torch's from_group does, and its collectives stay within the pair."""
+    rank = dist.get_rank()
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    mesh = DeviceMesh.from_group(pairs[rank // 2], "cpu")
+    assert mesh.shape == (2,) and mesh.mesh.tolist() == [[0, 1], [2, 3]][rank // 2]
+    assert mesh.get_local_rank() == rank % 2
+    x = torch.arange(10.0).reshape(5, 2) + 100 * (rank // 2)  # each pair its own tensor
+    d = distribute_tensor(x, mesh, [Shard(0)])
+    assert torch.equal(d.to_local(), x.chunk(2)[rank % 2])
+    assert torch.equal(d.full_tensor(), x)
+
+
+@distributed(world_size=4)
+def test_from_group_errors():
+    rank = dist.get_rank()
+    rows = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    cols = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    dp, tp = cols[rank % 2], rows[rank // 2]
+    with pytest.raises(ValueError, match="needs mesh="):
+        DeviceMesh.from_group([dp, tp], "cpu")
+    with pytest.raises(ValueError, match=r"group 0 holds ranks .* row along mesh dim 0"):
+        DeviceMesh.from_group([tp, dp], "cpu", mesh=[[0, 1], [2, 3]])  # swapped
+    with pytest.raises(ValueError, match="2 group\\(s\\) for a 1-D mesh"):
+        DeviceMesh.from_group([dp, tp], "cpu", mesh=[0, 1, 2, 3])
+    with pytest.raises(TypeError, match="not a ProcessGroup"):
+        DeviceMesh.from_group("tp", "cpu")
+    with pytest.raises(ValueError, match="non-empty list"):
+        DeviceMesh.from_group([], "cpu")
+    with pytest.raises(ValueError, match=f"rank {rank} is not in the mesh"):
+        DeviceMesh.from_group(tp, "cpu", mesh=[r for r in range(4) if r != rank][:2])
+    # a 2x1 sub-world mesh cannot make a group joining its dims (only its members would call
+    # new_group): a clear error, before anything waits
+    singles = [dist.new_group([r]) for r in range(4)]  # new_group: same calls on every rank
+    sub = DeviceMesh.from_group([tp, singles[rank]], "cpu",
+                                mesh=[[0], [1]] if rank < 2 else [[2], [3]])
+    with pytest.raises(ValueError, match=r"covers 2 of 4 ranks.*mesh dims \[0, 1\] joined"):
+        sub._flatten("both")

@@ -5,7 +5,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from dtensor_lite import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from dtensor_lite import (DeviceMesh, DTensor, Partial, Replicate, Shard, distribute_tensor,
+                          init_device_mesh)
 from tests.harness import distributed, reinit_process_group, run_distributed
 
 DEAD = "process group that has since been destroyed"
@@ -136,3 +137,29 @@ def _later_body():
 def test_after_reinit_tests():
     """Runs after the reinit tests in file order: a plain test on the same pool is healthy."""
     _later_body()
+
+
+def _from_group_reinit_body():
+    rank = dist.get_rank()
+    x = torch.arange(35.0).reshape(7, 5)
+    rows = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    cols = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    mesh = DeviceMesh.from_group([cols[rank % 2], rows[rank // 2]], "cpu", mesh=[[0, 1], [2, 3]],
+                                 mesh_dim_names=("dp", "tp"))
+    old = _round_trip(mesh, x)
+    dist.destroy_process_group()
+    reinit_process_group()
+    # the user's groups died with the default group: the mesh built on them says so, and no
+    # cache hands them to a new mesh
+    with pytest.raises(RuntimeError, match=DEAD):
+        mesh.get_group("tp")
+    with pytest.raises(RuntimeError, match=DEAD):
+        old.full_tensor()
+    new = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    assert new.get_group("tp") is not rows[rank // 2]
+    _round_trip(new, x)
+
+
+@distributed(world_size=4)
+def test_from_group_mesh_dies_with_its_process_group():
+    _from_group_reinit_body()
