@@ -23,6 +23,7 @@ import torch.nn as nn
 from dtensor_lite import DTensor, DeviceMesh, Shard, init_device_mesh
 
 from . import hooks
+from .dp_mesh_dims import DataParallelMeshDims, data_parallel_mesh, params_off_dp_dims
 from .optim_guard import mark_replaced
 from .mesh_info import MeshInfo
 from .param import FSDPParam
@@ -30,7 +31,7 @@ from .param_group import ParamGroup, ShardState
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .state import FSDPState, all_states
 
-__all__ = ["fully_shard", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy",
+__all__ = ["fully_shard", "DataParallelMeshDims", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy",
            "OffloadPolicy", "CPUOffloadPolicy", "register_fsdp_forward_method", "share_comm_ctx"]
 
 
@@ -39,7 +40,8 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
                 shard_placement_fn: Callable[[nn.Parameter], Shard | None] | None = None,
                 mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                 offload_policy: OffloadPolicy = OffloadPolicy(),
-                ignored_params: Iterable[nn.Parameter] | None = None):
+                ignored_params: Iterable[nn.Parameter] | None = None,
+                dp_mesh_dims: DataParallelMeshDims | None = None):
     """Shard ``module``'s parameters over ``mesh`` and all-gather them around its forward and
     backward. Returns ``module``, whose class is now ``FSDP<Class>`` (also an ``FSDPModule``).
 
@@ -57,6 +59,9 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     * ``mp_policy``: :class:`MixedPrecisionPolicy`. ``offload_policy``: :class:`CPUOffloadPolicy`
       to keep sharded parameters and gradients on the CPU.
     * ``ignored_params``: parameters left alone (not sharded, not reduced).
+    * ``dp_mesh_dims``: :class:`DataParallelMeshDims`; ``mesh`` is then the full mesh (e.g.
+      ``("dp", "tp")``), every parameter a DTensor on it with ``Replicate()`` on the dims named
+      there, and the sharded parameters are DTensors on it (docs/2d.md).
 
     DTensor parameters (after ``tp.parallelize_module`` on another dim of the same mesh) are
     sharded further: each becomes one DTensor over the data-parallel dims followed by the TP
@@ -70,13 +75,18 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     """
     modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
     _check_modules(modules)
+    ignored = {id(p) for p in (ignored_params or ())}
+    spmd_mesh = None
+    if dp_mesh_dims is not None:
+        spmd_mesh, mesh = mesh, data_parallel_mesh(mesh, dp_mesh_dims)
+        params_off_dp_dims(modules, spmd_mesh, dp_mesh_dims, ignored)
     if mesh is None:
         mesh = _default_mesh()
     if not isinstance(mesh, DeviceMesh):
         raise TypeError(f"fully_shard: mesh must be a dtensor_lite DeviceMesh, got "
                         f"{type(mesh).__name__}")
     device = _mesh_device(mesh)
-    info = MeshInfo(mesh)
+    info = MeshInfo(mesh, spmd_mesh)
     if reshard_after_forward is None:
         reshard_after_forward = True  # a root keeps its parameters whatever this says
     _check_reshard_after_forward(reshard_after_forward, info)
@@ -86,7 +96,6 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         raise TypeError(f"fully_shard: offload_policy must be an OffloadPolicy, got "
                         f"{offload_policy!r}")
     offload = isinstance(offload_policy, CPUOffloadPolicy)
-    ignored = {id(p) for p in (ignored_params or ())}
 
     managed = _collect_params(modules, ignored)
     qualified = {id(p): f"'{name}' of {type(top).__name__}" for top in modules

@@ -14,13 +14,15 @@ __all__ = ["MeshInfo"]
 
 
 class MeshInfo:
-    def __init__(self, mesh: DeviceMesh):
+    def __init__(self, mesh: DeviceMesh, spmd_mesh: DeviceMesh | None = None):
         if mesh.ndim not in (1, 2):
             raise ValueError(
                 f"fully_shard needs a 1-D mesh (FSDP) or a 2-D mesh (replicate, shard) for HSDP; "
                 f"got a {mesh.ndim}-D mesh {mesh}. Slice the data-parallel dims out of a larger "
                 "mesh first, e.g. mesh['dp'] or mesh['dp_replicate', 'dp_shard']")
         self.mesh = mesh
+        # the full mesh of fully_shard(dp_mesh_dims=...): sharded parameters live on it
+        self.spmd_mesh = spmd_mesh
         self.shard_dim = mesh.ndim - 1
         self.replicate_dim = 0 if mesh.ndim == 2 else None
         self.shard_size = mesh.size(self.shard_dim)

@@ -26,6 +26,8 @@ import torch.nn as nn
 from dtensor_lite import DTensor, Replicate, distribute_tensor
 from dtensor_lite.spec import DTensorSpec, TensorMeta, chunk_range, contiguous_stride
 
+from .dp_mesh_dims import in_mesh_order
+
 __all__ = ["FSDPParam"]
 
 
@@ -82,6 +84,8 @@ class FSDPParam:
         # every rank holds the same full tensor (or a meta one): slice locally, no communication
         dt = distribute_tensor(data, info.mesh, info.placements(self.shard_dim), src_data_rank=None)
         self.layout = dt._spec if self.tp_spec is None else self._joint_spec(dt._spec)
+        if info.spmd_mesh is not None:
+            self.layout = in_mesh_order(self.layout, info.spmd_mesh)
         local = dt.to_local()
         if self.offload and self.device.type != "cpu" and data.device.type != "meta":
             with torch.no_grad():
