@@ -23,7 +23,8 @@ import torch.nn as nn
 from dtensor_lite import DTensor, DeviceMesh, Shard, init_device_mesh
 
 from . import hooks
-from .dp_mesh_dims import DataParallelMeshDims, data_parallel_mesh, params_off_dp_dims
+from .dp_mesh_dims import (DataParallelMeshDims, data_parallel_mesh, non_dp_mesh,
+                           param_off_dp_dims)
 from .optim_guard import mark_replaced
 from .mesh_info import MeshInfo
 from .param import FSDPParam
@@ -76,10 +77,10 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     modules = tuple(module) if isinstance(module, (list, tuple)) else (module,)
     _check_modules(modules)
     ignored = {id(p) for p in (ignored_params or ())}
-    spmd_mesh = None
+    spmd_mesh, users = None, {}
     if dp_mesh_dims is not None:
         spmd_mesh, mesh = mesh, data_parallel_mesh(mesh, dp_mesh_dims)
-        params_off_dp_dims(modules, spmd_mesh, dp_mesh_dims, ignored)
+        users = _params_off_dp_dims(modules, spmd_mesh, dp_mesh_dims, ignored)
     if mesh is None:
         mesh = _default_mesh()
     if not isinstance(mesh, DeviceMesh):
@@ -108,10 +109,11 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         where = _where(owners)
         _check_param(param, where, mesh, device)
         dim = _shard_dim(param, where, shard_placement_fn)
+        user_param = users.get(id(param), param)  # what the user's modules held
         fsdp_params.append(FSDPParam(param, owners, info, dim, device, offload,
                                      getattr(offload_policy, "pin_memory", False),
-                                     replicate_over))
-        mark_replaced(param, qualified.get(id(param), where))
+                                     replicate_over, original=user_param))
+        mark_replaced(user_param, qualified.get(id(param), where))
     group = None
     if fsdp_params:
         group = ParamGroup(fsdp_params, modules, info, mp_policy, offload, device)
@@ -470,6 +472,20 @@ def _check_reshard_after_forward(value, info: MeshInfo):
 def _is_fsdp_root(module, top) -> bool:
     return module is not top and (isinstance(module, FSDPModule)
                                   or "_fsdp_state" in module.__dict__)
+
+
+def _params_off_dp_dims(modules, mesh, dims, ignored: set[int]) -> dict:
+    """``dp_mesh_dims``' front end: put each parameter (a DTensor on the full ``mesh``) on the
+    dims that are not data parallel, for the sliced-mesh path. Returns ``{id(new): the user's
+    parameter}``, so the optimizer guard and the tied-weight check know the user's one."""
+    rest = non_dp_mesh(mesh, dims)
+    users = {}
+    for param, owners in _collect_params(modules, ignored):
+        new = param_off_dp_dims(param, _where(owners), mesh, dims, rest)
+        users[id(new)] = param
+        for owner, name in owners:
+            owner._parameters[name] = new
+    return users
 
 
 def _collect_params(modules, ignored: set[int]):

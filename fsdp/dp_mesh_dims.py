@@ -16,9 +16,8 @@ import torch.nn as nn
 from dtensor_lite import DTensor, DeviceMesh
 from dtensor_lite.spec import DTensorSpec
 
-__all__ = ["DataParallelMeshDims", "data_parallel_mesh", "params_off_dp_dims", "in_mesh_order"]
-
-_Names = "str | tuple[str, ...] | None"
+__all__ = ["DataParallelMeshDims", "data_parallel_mesh", "non_dp_mesh", "param_off_dp_dims",
+           "in_mesh_order"]
 
 
 @dataclass
@@ -98,42 +97,41 @@ def _one_dim(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
     return mesh[names]._flatten("_".join(names))  # the root learns the name: idempotent
 
 
-def params_off_dp_dims(modules, mesh: DeviceMesh, dims: DataParallelMeshDims,
-                       ignored: set[int]) -> None:
-    """Replace, in place, every parameter under ``modules`` (a DTensor on ``mesh``, Replicate on
-    each data-parallel dim) by the same local data as a DTensor on the other dims of ``mesh``
-    (a plain tensor when there are none): the input of the sliced-mesh path."""
-    from .api import _collect_params, _where  # api imports this module
+def non_dp_mesh(mesh: DeviceMesh, dims: DataParallelMeshDims) -> DeviceMesh | None:
+    """The dims of ``mesh`` that ``dims`` does not name (TP, ...), in order; ``None`` if none."""
     dp_names = set(dims.shard_names + dims.replicate_names)
-    keep = [i for i, n in enumerate(mesh.mesh_dim_names) if n not in dp_names]
-    rest = mesh[tuple(mesh.mesh_dim_names[i] for i in keep)] if keep else None
-    for param, owners in _collect_params(modules, ignored):
-        where = _where(owners)
-        if not isinstance(param, DTensor) or param.device_mesh != mesh:
-            got = (f"a DTensor on {param.device_mesh!r}" if isinstance(param, DTensor)
-                   else f"a plain {type(param).__name__}")
-            raise ValueError(
-                f"fully_shard: with dp_mesh_dims every parameter must be a DTensor on the full mesh "
-                f"{mesh!r}; parameter {where} is {got}. Distribute it first, e.g. "
-                f"distribute_tensor(w, mesh, [Replicate()] * {mesh.ndim}), or pass it in "
-                "ignored_params")
-        placements = param.placements
-        bad = [(mesh.mesh_dim_names[i], p) for i, p in enumerate(placements)
-               if mesh.mesh_dim_names[i] in dp_names and not p.is_replicate()]
-        if bad:
-            raise ValueError(
-                f"fully_shard: parameter {where} has placements {list(placements)} on "
-                f"{mesh.mesh_dim_names}, but a data-parallel dim must be Replicate() (got "
-                f"{', '.join(f'{p!r} on {n!r}' for n, p in bad)}); FSDP does the sharding there: "
-                "redistribute it to Replicate() on those dims first")
-        local = param.detach().to_local()
-        if rest is None:
-            new = local  # replicated on every dim: the local tensor is the whole parameter
-        else:
-            new = DTensor(local, respec(param._spec, rest, keep))
-        new = nn.Parameter(new, requires_grad=param.requires_grad)
-        for module, name in owners:
-            module._parameters[name] = new
+    rest = tuple(n for n in mesh.mesh_dim_names if n not in dp_names)
+    return mesh[rest] if rest else None
+
+
+def param_off_dp_dims(param, where: str, mesh: DeviceMesh, dims: DataParallelMeshDims,
+                      rest: DeviceMesh | None) -> nn.Parameter:
+    """``param`` (a DTensor on ``mesh``, Replicate on each data-parallel dim) as the same local
+    data on ``rest`` = :func:`non_dp_mesh` (a plain tensor when that is ``None``): what the
+    sliced-mesh path takes."""
+    if not isinstance(param, DTensor) or param.device_mesh != mesh:
+        got = (f"a DTensor on {param.device_mesh!r}" if isinstance(param, DTensor)
+               else f"a plain {type(param).__name__}")
+        raise ValueError(
+            f"fully_shard: with dp_mesh_dims every parameter must be a DTensor on the full mesh "
+            f"{mesh!r}; parameter {where} is {got}. Distribute it first, e.g. "
+            f"distribute_tensor(w, mesh, [Replicate()] * {mesh.ndim}), or pass it in "
+            "ignored_params")
+    names, placements = mesh.mesh_dim_names, param.placements
+    dp_names = set(dims.shard_names + dims.replicate_names)
+    bad = [f"{p!r} on {n!r}" for n, p in zip(names, placements)
+           if n in dp_names and not p.is_replicate()]
+    if bad:
+        raise ValueError(
+            f"fully_shard: parameter {where} has placements {list(placements)} on {names}, but a "
+            f"data-parallel dim must be Replicate() (got {', '.join(bad)}); FSDP does the "
+            "sharding there: redistribute it to Replicate() on those dims first")
+    local = param.detach().to_local()
+    if rest is not None:
+        keep = [names.index(n) for n in rest.mesh_dim_names]
+        local = DTensor(local, respec(param._spec, rest, keep))
+    # else replicated on every dim: the local tensor is the whole parameter
+    return nn.Parameter(local, requires_grad=param.requires_grad)
 
 
 def respec(spec: DTensorSpec, mesh: DeviceMesh, dims: list[int]) -> DTensorSpec:

@@ -40,7 +40,7 @@ class FSDPParam:
 
     def __init__(self, param: nn.Parameter, owners: list[tuple[nn.Module, str]], mesh_info,
                  shard_dim: int, device: torch.device, offload: bool, pin_memory: bool,
-                 replicate_over=None):
+                 replicate_over=None, original: nn.Parameter | None = None):
         self.owners = owners
         self.fqn = owners[0][1] if owners else "?"
         self.mesh_info = mesh_info
@@ -70,7 +70,8 @@ class FSDPParam:
         self._init_geometry()
         # the replaced plain parameter: another module that still refers to it (a weight tied
         # across two fully_shard calls) must be refused, not silently untied
-        self.original = weakref.ref(param)
+        # (``original``: the user's, when fully_shard's dp_mesh_dims front end re-expressed it)
+        self.original = weakref.ref(param if original is None else original)
         self.publish(self.sharded)
 
     # ----------------------------------------------------------------- building the shard

@@ -70,7 +70,9 @@ def test_fsdp_tp_on_full_mesh(names):
     model = copy.deepcopy(ref)
     parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
     _on_full_mesh(model, ref, mesh, "tp")
-    fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
+    dims = DataParallelMeshDims(shard="dp")
+    fully_shard(model[0], mesh=mesh, dp_mesh_dims=dims)  # bottom-up: two groups
+    fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
     for p in model.parameters():
         assert p.device_mesh is mesh
     w1, w2, b2 = model[0].weight, model[2].weight, model[2].bias
@@ -144,3 +146,25 @@ def test_bad_inputs_are_refused():
         fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="dp"))
     with pytest.raises(TypeError, match="must be a DataParallelMeshDims"):
         fully_shard(model_on_mesh(), mesh=mesh, dp_mesh_dims={"shard": "dp"})
+
+
+@distributed(world_size=4, timeout=60)
+def test_users_parameters_count_as_replaced():
+    """The user's full-mesh parameters, not the front end's intermediate ones, are what an
+    optimizer built too early holds and what a weight tied across two calls refers to."""
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    dims = DataParallelMeshDims(shard="dp")
+    ref = _mlp()
+    model = copy.deepcopy(ref)
+    _on_full_mesh(model, ref, mesh)
+    early = torch.optim.SGD(model.parameters(), lr=0.1)
+    fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
+    with pytest.raises(RuntimeError, match="Build the optimizer after fully_shard"):
+        early.step()
+    a, b = nn.Linear(4, 4), nn.Linear(4, 4)
+    tied = nn.Sequential(a, b)
+    _on_full_mesh(tied, copy.deepcopy(tied), mesh)
+    b.weight = a.weight
+    fully_shard(a, mesh=mesh, dp_mesh_dims=dims)
+    with pytest.raises(ValueError, match="already managed by fully_shard"):
+        fully_shard(tied, mesh=mesh, dp_mesh_dims=dims)
