@@ -63,22 +63,29 @@ class _GroupCache:
     def owner(self):
         return self._check_owner()
 
-    def group_for_rows(self, rows: tuple[tuple[int, ...], ...], world_size: int):
-        """Return this rank's group among ``rows``; every rank must call this with the same rows."""
+    def group_for_rows(self, rows: tuple[tuple[int, ...], ...], world_size: int,
+                       backend_override: tuple | None = None):
+        """Return this rank's group among ``rows``; every rank must call this with the same rows.
+
+        ``backend_override``: ``(backend, options)`` from init_device_mesh; such groups are
+        made with them and cached apart from the default-backend groups of the same rows."""
         default = self._check_owner()
-        if rows in self._groups:
-            return self._groups[rows]
-        if len(rows) == 1 and len(rows[0]) == world_size:
+        key = rows if backend_override is None else (rows, backend_override)
+        if key in self._groups:
+            return self._groups[key]
+        if backend_override is None and len(rows) == 1 and len(rows[0]) == world_size:
             group = default  # the whole world: no new group needed
         else:
+            backend, options = backend_override or (None, None)
             my_rank = dist.get_rank()
             timeout = default_group_timeout()
             group = None
             for row in rows:  # new_group is collective: every rank creates every row's group
-                g = dist.new_group(sorted(row), timeout=timeout)
+                g = dist.new_group(sorted(row), timeout=timeout, backend=backend,
+                                   pg_options=options)
                 if my_rank in row:
                     group = g
-        self._groups[rows] = group
+        self._groups[key] = group
         return group
 
 
@@ -124,7 +131,7 @@ class DeviceMesh:
 
     def __init__(self, device_type: str, mesh, *, mesh_dim_names: Sequence[str] | None = None,
                  _root: "DeviceMesh | None" = None, _root_dims: tuple | None = None,
-                 _given_groups: dict | None = None):
+                 _given_groups: dict | None = None, _backend_overrides: dict | None = None):
         _require_initialized("DeviceMesh")
         if _root is None:
             mesh_tensor = _validate_mesh(mesh)
@@ -136,6 +143,8 @@ class DeviceMesh:
             # by the root mesh only (its slices use them too), never by the shared cache: the
             # user's groups die with this mesh, and other meshes keep the cache's groups
             self._given_groups = dict(_given_groups or {})
+            # init_device_mesh(backend_override=): {(root dim,): (backend, options)}
+            self._backend_overrides = dict(_backend_overrides or {})
             # an exception that ends this process is posted, so the other ranks stop at their next
             # collective naming it (by default: torchrun / torchtitan mains let it escape)
             _failures.install_excepthook()
@@ -214,7 +223,8 @@ class DeviceMesh:
                 f"{self._world_size} ranks, so it has no process group for mesh dims "
                 f"{list(root_dims)} joined together; build such groups with dist.new_group on "
                 "every rank and pass them to DeviceMesh.from_group")
-        group = _GROUPS.group_for_rows(rows, self._world_size)
+        group = _GROUPS.group_for_rows(rows, self._world_size,
+                                       self._root._backend_overrides.get(root_dims))
         return _DimGroup(group, my_row, self._rank)
 
     @classmethod
@@ -642,13 +652,71 @@ def _validate_device_type(device_type: str) -> str:
     return dev.type
 
 
+def _backend_overrides(override, ndim: int, names, device_type: str) -> dict:
+    """init_device_mesh's ``backend_override`` checked and normalised to
+    ``{(mesh dim,): (backend or None, options or None)}`` (entries that override nothing
+    dropped). Keys: a mesh dim's index or name; values: a backend name, a ``Backend.Options``,
+    or a ``(backend, options)`` pair, as torch's."""
+    if override is None:
+        return {}
+    if not isinstance(override, dict):
+        raise ValueError(f"init_device_mesh: backend_override must be a dict {{mesh dim index or "
+                         f"name: backend}}, got {type(override).__name__}")
+    options_type = torch._C._distributed_c10d.Backend.Options
+    allowed = ("gloo", "nccl") if device_type == "cuda" else ("gloo",)
+    dims = list(names) if names else list(range(ndim))
+    out: dict = {}
+    for key, value in override.items():
+        if isinstance(key, str):
+            if not names or key not in names:
+                raise ValueError(f"init_device_mesh: backend_override names mesh dim {key!r}, "
+                                 f"which is not one of the mesh_dim_names {dims}")
+            dim = names.index(key)
+        elif isinstance(key, int) and not isinstance(key, bool) and -ndim <= key < ndim:
+            dim = key % ndim
+        else:
+            raise ValueError(f"init_device_mesh: backend_override key {key!r} is not a mesh dim "
+                             f"of a {ndim}-D mesh (use an index in [0, {ndim}) or one of {dims})")
+        if (dim,) in out:
+            raise ValueError(f"init_device_mesh: backend_override gives mesh dim {dims[dim]!r} "
+                             "twice (by index and by name); give it once")
+        if isinstance(value, (tuple, list)):
+            if len(value) != 2:
+                raise ValueError(
+                    f"init_device_mesh: backend_override[{key!r}] = {value!r} has {len(value)} "
+                    "entries; a tuple must be (backend, options)")
+            backend, options = value
+        elif isinstance(value, options_type):
+            backend, options = None, value
+        else:
+            backend, options = value, None
+        if backend is not None and (not isinstance(backend, str) or
+                                    backend.lower() not in allowed):
+            raise ValueError(
+                f"init_device_mesh: backend_override[{key!r}] asks for backend {backend!r}; on "
+                f"'{device_type}' meshes here the backends are {list(allowed)} (or None for the "
+                "default group's)")
+        if options is not None and not isinstance(options, options_type):
+            raise ValueError(f"init_device_mesh: backend_override[{key!r}] options must be a "
+                             f"torch Backend.Options, got {type(options).__name__}")
+        out[(dim,)] = (backend.lower() if backend is not None else None, options)
+    return {d: v for d, v in out.items() if v != (None, None)}
+
+
 def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
-                     mesh_dim_names: Sequence[str] | None = None) -> DeviceMesh:
+                     mesh_dim_names: Sequence[str] | None = None,
+                     backend_override: dict | None = None) -> DeviceMesh:
     """Build a DeviceMesh of ``mesh_shape`` over all ranks, in rank order.
+
+    ``backend_override`` (torch's): ``{mesh dim index or name: backend | options | (backend,
+    options)}`` -- that dim's groups are made with ``dist.new_group(backend=, pg_options=)``,
+    apart from the default-backend groups of the same ranks. On CPU gloo is the only backend.
 
     Example::
 
         >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+        >>> mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"),
+        ...                         backend_override={"tp": "gloo"})
     """
     _require_initialized("init_device_mesh")
     if isinstance(mesh_shape, int):
@@ -662,11 +730,13 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
         raise ValueError(f"mesh_shape {mesh_shape} holds {math.prod(mesh_shape)} ranks but the world "
                          f"size is {world}; the product of the mesh shape must equal the world size")
     if mesh_dim_names is not None:
-        _validate_names(mesh_dim_names, len(mesh_shape))
+        mesh_dim_names = _validate_names(mesh_dim_names, len(mesh_shape))
     device_type = _validate_device_type(device_type)
+    overrides = _backend_overrides(backend_override, len(mesh_shape), mesh_dim_names, device_type)
     if device_type == "cuda" and torch.cuda.is_available():
         # one GPU per local rank unless the user already picked one
         local = int(__import__("os").environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
         torch.cuda.set_device(local)
     mesh = torch.arange(world, dtype=torch.int64, device="cpu").reshape(mesh_shape)
-    return DeviceMesh(device_type, mesh, mesh_dim_names=mesh_dim_names)
+    return DeviceMesh(device_type, mesh, mesh_dim_names=mesh_dim_names,
+                      _backend_overrides=overrides)

@@ -458,3 +458,58 @@ def test_from_group_errors():
                                 mesh=[[0], [1]] if rank < 2 else [[2], [3]])
     with pytest.raises(ValueError, match=r"covers 2 of 4 ranks.*mesh dims \[0, 1\] joined"):
         sub._flatten("both")
+
+
+# ----------------------------------------------------------------------------- backend_override
+
+
+@distributed(world_size=4)
+def test_init_device_mesh_backend_override():
+    """{"tp": "gloo"}: the tp dim gets groups of its own, made with backend="gloo" (the dp dim
+    and plain meshes keep the cache's groups); redistribute over it gives torch's values on it."""
+    rank = dist.get_rank()
+    plain = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"),
+                            backend_override={"tp": "gloo", 0: None})
+    tp = mesh.get_group("tp")
+    assert tp is not plain.get_group("tp") and dist.get_backend(tp) == "gloo"
+    assert mesh.get_group("dp") is plain.get_group("dp")
+    assert mesh["tp"].get_group() is tp
+    assert _group_sum(rank, tp) == [1.0, 5.0][rank // 2]
+    x = torch.randn(6, 5)
+    d = distribute_tensor(x, mesh, [Replicate(), Shard(1)])
+    with _IssuedGroups() as issued:
+        full = d.redistribute(mesh, [Replicate(), Replicate()]).to_local()
+    assert torch.equal(full, x) and issued.groups and all(g is tp for g in issued.groups)
+    # an equal override reuses those groups; (backend, options) and options alone are accepted
+    again = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"),
+                             backend_override={1: ("gloo", None)})
+    assert again.get_group("tp") is tp
+    opts = torch._C._distributed_c10d.ProcessGroupGloo._Options()
+    with_opts = init_device_mesh("cpu", (4,), backend_override={0: ("gloo", opts)})
+    assert with_opts.get_group() is not dist.distributed_c10d._get_default_group()
+    assert torch.equal(distribute_tensor(x, with_opts, [Shard(0)]).full_tensor(), x)
+
+
+@distributed(world_size=4)
+def test_init_device_mesh_backend_override_errors():
+    names = ("dp", "tp")
+    cases = [
+        ({2: "gloo"}, r"key 2 is not a mesh dim of a 2-D mesh"),
+        ({"pp": "gloo"}, r"names mesh dim 'pp', which is not one of the mesh_dim_names"),
+        ({0: ("gloo", None, 5)}, r"has 3 entries; a tuple must be \(backend, options\)"),
+        ({"tp": "nccl"}, r"asks for backend 'nccl'; on 'cpu' meshes here the backends are "
+                         r"\['gloo'\]"),
+        ({0: "gloo", "dp": "gloo"}, r"gives mesh dim 'dp' twice"),
+        ({1: ("gloo", 3)}, r"options must be a torch Backend.Options, got int"),
+        (["gloo", "gloo"], r"backend_override must be a dict"),
+    ]
+    for override, message in cases:
+        with pytest.raises(ValueError, match=message):
+            init_device_mesh("cpu", (2, 2), mesh_dim_names=names, backend_override=override)
+    with pytest.raises(ValueError, match=r"'tp', which is not one of the mesh_dim_names \[0, 1\]"):
+        init_device_mesh("cpu", (2, 2), backend_override={"tp": "gloo"})
+    # nothing was left half-made: a mesh still builds and works
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=names, backend_override={"dp": "gloo"})
+    x = torch.randn(4, 4)
+    assert torch.equal(distribute_tensor(x, mesh, [Shard(0), Shard(1)]).full_tensor(), x)
