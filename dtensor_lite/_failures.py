@@ -171,20 +171,27 @@ def install_excepthook() -> None:
 
 
 # ------------------------------------------------------------------ waiting
-# process group -> whether its waits block the caller (gloo); keyed by groups, so dropped with
-# them when the default group changes
-_SLICEABLE: dict = _caches.register({})
+# process group -> its backend's name ("" when torch cannot tell); keyed by groups, so dropped
+# with them when the default group changes
+_BACKENDS: dict = _caches.register({})
+
+
+def group_backend(group) -> str:
+    """``str(dist.get_backend(group))``, looked up once per group (collectives ask per call)."""
+    name = _BACKENDS.get(group)
+    if name is None:
+        try:
+            name = str(dist.get_backend(group))
+        except (RuntimeError, ValueError):
+            name = ""
+        _BACKENDS[group] = name
+    return name
 
 
 def _sliceable(group) -> bool:
-    ok = _SLICEABLE.get(group)
-    if ok is None:
-        try:
-            ok = "nccl" not in str(dist.get_backend(group))
-        except (RuntimeError, ValueError):
-            ok = False
-        _SLICEABLE[group] = ok
-    return ok
+    """Whether waits on ``group`` block the caller and can be sliced (gloo, not NCCL)."""
+    name = group_backend(group)
+    return bool(name) and "nccl" not in name
 
 
 def _group_ranks(group) -> list[int]:

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ._compile import is_traced
-from ._failures import wait_work
+from ._failures import group_backend, wait_work
 from .debug import _ACTIVE, _CHECKING, _TIMERS, CommFlight, _record
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "scatter",
@@ -465,7 +465,7 @@ def flat_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, mesh, mesh_dim: in
 # reduce-scatter's bytes in theory; gloo's reduce-scatter is slower still on the hosts measured.
 def _copies_whole_buffer(t: torch.Tensor, group) -> bool:
     """Whether ``group`` runs collectives on ``t`` through gloo (CPU tensors)."""
-    return t.device.type == "cpu" and "gloo" in str(dist.get_backend(group))
+    return t.device.type == "cpu" and "gloo" in group_backend(group)
 
 
 def _all_reduce_in_place(inp: torch.Tensor, op, group, async_op=True):
