@@ -200,6 +200,13 @@ class FSDPModule:
         mods = self.modules() if recurse else [self]
         return [m for m in mods if isinstance(m, FSDPModule)]
 
+    def _groups(self, recurse: bool):
+        """The parameter groups of this module (and of the FSDP modules under it): what the
+        ``set_*`` policies change (a module whose parameters all went to others has none)."""
+        for m in self._fsdp_modules(recurse):
+            if (g := m._get_fsdp_state().group) is not None:
+                yield g
+
     def unshard(self, async_op: bool = False) -> UnshardHandle | None:
         """All-gather this module's parameters now (not recursive). With ``async_op`` return a
         handle; its ``wait()`` (or the module's next forward) finishes the all-gather.
@@ -249,10 +256,9 @@ class FSDPModule:
         """``False``: backward accumulates unsharded gradients without communication (gradient
         accumulation; HSDP skips the all-reduce too); the next backward with ``True`` reduces the
         sum. ``model.set_requires_gradient_sync(False)``"""
-        for m in self._fsdp_modules(recurse):
-            if (g := m._get_fsdp_state().group) is not None:
-                g.reduce_grads = bool(requires_gradient_sync)
-                g.all_reduce_grads = bool(requires_gradient_sync)  # as torch: both switches
+        for g in self._groups(recurse):
+            g.reduce_grads = bool(requires_gradient_sync)
+            g.all_reduce_grads = bool(requires_gradient_sync)  # as torch: both switches
 
     def set_requires_all_reduce(self, requires_all_reduce: bool, *, recurse: bool = True):
         """HSDP only (a 1-D mesh has no all-reduce: ignored there). ``False``: backward still
@@ -264,9 +270,8 @@ class FSDPModule:
             >>> model.set_requires_all_reduce(False)     # micro-batches 1 .. n-1
             >>> model.set_requires_all_reduce(True)      # micro-batch n: .grad = the sum of all
         """
-        for m in self._fsdp_modules(recurse):
-            if (g := m._get_fsdp_state().group) is not None:
-                g.all_reduce_grads = bool(requires_all_reduce)
+        for g in self._groups(recurse):
+            g.all_reduce_grads = bool(requires_all_reduce)
 
     def set_reshard_after_forward(self, reshard_after_forward: bool | int, recurse: bool = True):
         """Change ``reshard_after_forward`` at run time (also on the root, whose default is to
@@ -285,9 +290,8 @@ class FSDPModule:
         """``False`` keeps parameters unsharded after backward, saving the next forward's
         all-gather during gradient accumulation (they are stale after an optimizer step: set it
         back to ``True`` for the last micro-batch)."""
-        for m in self._fsdp_modules(recurse):
-            if (g := m._get_fsdp_state().group) is not None:
-                g.reshard_after_backward = bool(reshard_after_backward)
+        for g in self._groups(recurse):
+            g.reshard_after_backward = bool(reshard_after_backward)
 
     def set_unshard_in_backward(self, unshard_in_backward: bool) -> None:
         """``False``: this module's parameters are not all-gathered in backward (not
@@ -299,9 +303,8 @@ class FSDPModule:
         the reshard after forward: its backward raises ``RuntimeError`` from the op that reads
         them ("setStorage: ... out of bounds for storage of size 0"; so does PyTorch's). Parameters that were not resharded after forward (the root,
         ``reshard_after_forward=False``) are still there and are used as they are."""
-        if not isinstance(unshard_in_backward, bool):
-            raise TypeError(f"set_unshard_in_backward takes a bool, got {unshard_in_backward!r}")
-        if (g := self._get_fsdp_state().group) is not None:
+        _require_bool("set_unshard_in_backward", unshard_in_backward)
+        for g in self._groups(recurse=False):
             g.unshard_in_backward = unshard_in_backward
 
     def set_modules_to_forward_prefetch(self, modules: list["FSDPModule"]):
@@ -318,7 +321,7 @@ class FSDPModule:
     def set_gradient_divide_factor(self, factor: float):
         """Divide this module's reduced gradients by ``factor`` instead of the data-parallel size
         (not recursive, as in PyTorch). ``model.set_gradient_divide_factor(1.0)`` sums."""
-        if (g := self._get_fsdp_state().group) is not None:
+        for g in self._groups(recurse=False):
             g.divide_factor = float(factor)
 
     def set_all_reduce_hook(self, hook: Callable[[torch.Tensor], None], *, stream=None):
@@ -355,12 +358,9 @@ class FSDPModule:
         has its segment in the reduce-scatter (zeros without a gradient), so this only records
         the setting. (With ``False`` PyTorch leaves ``.grad`` ``None`` for a parameter that no
         rank used; ours writes zeros.)"""
-        if not isinstance(reduce_scatter_unused_params, bool):
-            raise TypeError(f"set_reduce_scatter_unused_params takes a bool, got "
-                            f"{reduce_scatter_unused_params!r}")
-        for m in self._fsdp_modules(recurse):
-            if (g := m._get_fsdp_state().group) is not None:
-                g.reduce_scatter_unused_params = reduce_scatter_unused_params
+        _require_bool("set_reduce_scatter_unused_params", reduce_scatter_unused_params)
+        for g in self._groups(recurse):
+            g.reduce_scatter_unused_params = reduce_scatter_unused_params
 
     def set_reduce_scatter_divide_factor(self, factor: float):
         """Deprecated in PyTorch (``DeprecationWarning``, as there): use
@@ -374,9 +374,8 @@ class FSDPModule:
         zero-copy transfers need it). Ours always do: every reduce-scatter and all-reduce sums
         and the gradient is divided afterwards, so this only records the setting (not
         recursive, as in PyTorch). ``model.set_force_sum_reduction_for_comms(True)``"""
-        if not isinstance(enable, bool):
-            raise TypeError(f"set_force_sum_reduction_for_comms takes a bool, got {enable!r}")
-        if (g := self._get_fsdp_state().group) is not None:
+        _require_bool("set_force_sum_reduction_for_comms", enable)
+        for g in self._groups(recurse=False):
             g.force_sum_reduction_for_comms = enable
 
     def set_post_optim_event(self, event: torch.Event):
@@ -403,6 +402,11 @@ class FSDPModule:
 
 
 # ===================================================================== helpers
+def _require_bool(method: str, value) -> None:
+    if not isinstance(value, bool):
+        raise TypeError(f"{method} takes a bool, got {value!r}")
+
+
 _CLASSES: dict[type, type] = {}
 
 

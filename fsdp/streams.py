@@ -55,7 +55,6 @@ class Streams:
                 "all_gather": torch.cuda.Stream(device, priority=-1),
                 "reduce_scatter": torch.cuda.Stream(device, priority=-1),
             }
-
             self._wait_instead: dict[str, object] = {}  # name -> event (set_post_optim_event)
 
     def wait_event_instead(self, name: str, event) -> None:
