@@ -35,6 +35,13 @@ def _on_full_mesh(model, ref, mesh, tp_name=None):
             module._parameters[name] = nn.Parameter(distribute_tensor(full, mesh, placements))
 
 
+def _copy_on_full_mesh(ref, mesh):
+    """A copy of ``ref`` whose parameters are Replicate DTensors on the whole ``mesh``."""
+    model = copy.deepcopy(ref)
+    _on_full_mesh(model, ref, mesh)
+    return model
+
+
 def _train_and_compare(model, ref, data_rank, n_data, steps=3):
     """SGD on both; this rank takes its slice of the batch (ranks with one data rank share it)."""
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -93,8 +100,7 @@ def test_fsdp_tp_on_full_mesh(names):
 def test_hsdp_on_full_mesh():
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
     ref = _mlp()
-    model = copy.deepcopy(ref)
-    _on_full_mesh(model, ref, mesh)
+    model = _copy_on_full_mesh(ref, mesh)
     fully_shard(model, mesh=mesh,
                 dp_mesh_dims=DataParallelMeshDims(shard="shard", replicate="replicate"))
     for p in model.parameters():
@@ -106,8 +112,7 @@ def test_hsdp_on_full_mesh():
 def test_shard_names_tuple_is_flattened():
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
     ref = _mlp()
-    model = copy.deepcopy(ref)
-    _on_full_mesh(model, ref, mesh)
+    model = _copy_on_full_mesh(ref, mesh)
     fully_shard(model, mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard=("a", "b")))
     w = model[0].weight
     assert w.device_mesh == mesh["a_b"] and w.placements == (Shard(0),)
@@ -126,9 +131,7 @@ def test_bad_inputs_are_refused():
     ref = _mlp()
 
     def model_on_mesh():
-        model = copy.deepcopy(ref)
-        _on_full_mesh(model, ref, mesh)
-        return model
+        return _copy_on_full_mesh(ref, mesh)
 
     with pytest.raises(ValueError, match=r"names \['pp'\] that are not dims .*'dp', 'tp'"):
         fully_shard(model_on_mesh(), mesh=mesh, dp_mesh_dims=DataParallelMeshDims(shard="pp"))
@@ -155,8 +158,7 @@ def test_users_parameters_count_as_replaced():
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     dims = DataParallelMeshDims(shard="dp")
     ref = _mlp()
-    model = copy.deepcopy(ref)
-    _on_full_mesh(model, ref, mesh)
+    model = _copy_on_full_mesh(ref, mesh)
     early = torch.optim.SGD(model.parameters(), lr=0.1)
     fully_shard(model, mesh=mesh, dp_mesh_dims=dims)
     with pytest.raises(RuntimeError, match="Build the optimizer after fully_shard"):
