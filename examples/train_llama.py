@@ -409,9 +409,9 @@ class _Display:
             f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, {rate:,.0f} tokens/s"
             + (f", checkpoint saved to {saved}" if saved else ""))
         median_ms = 1e3 * statistics.median(after_warmup(self.step_seconds))
-        self.console.print(f"[dim]tokens/s, as on the progress bar: {self.tokens_per_step:,} "
-                           f"tokens per step / {median_ms:.1f} ms, rank 0's median step time "
-                           f"over {self._steps_measured()}[/]")
+        # the definition of the figure (the progress bar shows the same one)
+        self.console.print(f"[dim]tokens/s = {self.tokens_per_step:,} tokens per step / "
+                           f"{median_ms:.1f} ms, rank 0's median step ({self._steps_measured()})[/]")
         if self.memory is not None:
             self.console.print(self.memory.table(
                 per_module=False, title=f"rank 0, last step: peak "

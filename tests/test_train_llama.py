@@ -205,8 +205,8 @@ def test_readme_command_prints_only_our_lines_and_one_throughput():
     text = " ".join(run.stdout.split())  # rich wraps long lines at the console's width
     bar = re.search(r"training \S+ 3/3 loss [\d.]+ ([\d,]+) tokens/s", text)
     done = re.search(r"done: 3 steps in [\d.]+ s, loss [\d.]+ -> [\d.]+, ([\d,]+) tokens/s", text)
-    defined = re.search(r"tokens/s, as on the progress bar: ([\d,]+) tokens per step / ([\d.]+) "
-                        r"ms, rank 0's median step time over steps 2-3", text)
+    defined = re.search(r"tokens/s = ([\d,]+) tokens per step / ([\d.]+) ms, rank 0's median "
+                        r"step \(steps 2-3\)", text)
     rank0 = re.search(r"│ 0 │ ([\d.]+) │", text)   # rank 0's row: its median step ms
     assert bar and done and defined and rank0, run.stdout[-3000:]
     rate = float(done.group(1).replace(",", ""))
