@@ -271,10 +271,15 @@ def after_warmup(per_step: list) -> list:
     return per_step[1:] or per_step
 
 
+def median_step(step_seconds: list[float]) -> float:
+    """The median of ``after_warmup``'s step times (on rank 0: its "step ms")."""
+    return statistics.median(after_warmup(step_seconds))
+
+
 def throughput(step_seconds: list[float], tokens_per_step: int) -> float:
     """The run's tokens/s, the one figure the progress bar and the summary show: the global
-    batch's tokens over the median step time of ``after_warmup`` (rank 0's "step ms")."""
-    return tokens_per_step / statistics.median(after_warmup(step_seconds))
+    batch's tokens over ``median_step``."""
+    return tokens_per_step / median_step(step_seconds)
 
 
 def rank_summary(timings, device_type: str) -> dict:
@@ -408,10 +413,10 @@ class _Display:
             f"[bold green]done[/]: {len(losses)} steps in {time.perf_counter() - self.t0:.1f} s, "
             f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, {rate:,.0f} tokens/s"
             + (f", checkpoint saved to {saved}" if saved else ""))
-        median_ms = 1e3 * statistics.median(after_warmup(self.step_seconds))
         # the definition of the figure (the progress bar shows the same one)
         self.console.print(f"[dim]tokens/s = {self.tokens_per_step:,} tokens per step / "
-                           f"{median_ms:.1f} ms, rank 0's median step ({self._steps_measured()})[/]")
+                           f"{1e3 * median_step(self.step_seconds):.1f} ms, rank 0's median "
+                           f"step ({self._steps_measured()})[/]")
         if self.memory is not None:
             self.console.print(self.memory.table(
                 per_module=False, title=f"rank 0, last step: peak "
