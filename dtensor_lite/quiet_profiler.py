@@ -15,8 +15,10 @@ Both loggers read a threshold variable at every message, and both variables are 
 torch's libraries, so we raise each only around the calls that print -- kineto's above ``USDT``
 for the start and stop calls, c10's above ``WARNING`` while memory is profiled -- and put back
 what was there. Nothing else is filtered: the user's stderr, Python warnings and c10's errors
-pass as before. Where a build does not export a variable (another torch, a glog build), its lines
-are left as they are.
+pass as before. The cost of a threshold: c10 has one for the whole process, so another c10
+``WARNING`` logged (on any thread) while memory is profiled is dropped too; the block is one
+training step that the profiler watches anyway. Where a build does not export a variable
+(another torch, a glog build), its lines are left as they are.
 
 What the allocator's line says is a real limit, and the one who reports the memory states it in
 its own words (``MemoryTracker``'s table, ``benchmarks/memory.py``): a free of a block allocated
@@ -41,20 +43,24 @@ _C10_ERROR = 2
 
 @functools.lru_cache(maxsize=None)
 def _threshold(library: str, symbol: str) -> ctypes.c_int | None:
-    """The ``int`` log threshold ``symbol`` exported by torch's ``library``, or None."""
-    try:
-        lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", library))
-        return ctypes.c_int.in_dll(lib, symbol)
-    except (OSError, ValueError):
-        return None
+    """The ``int`` log threshold ``symbol`` exported by torch's ``library`` (already loaded by
+    ``import torch``: this finds it, it loads nothing new), or None."""
+    for suffix in (".so", ".dylib"):
+        try:
+            lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib",
+                                           library + suffix))
+            return ctypes.c_int.in_dll(lib, symbol)
+        except (OSError, ValueError):
+            continue
+    return None
 
 
 def _kineto_threshold():
-    return _threshold("libtorch_cpu.so", "_ZN9libkineto6Logger14severityLevel_E")
+    return _threshold("libtorch_cpu", "_ZN9libkineto6Logger14severityLevel_E")
 
 
 def _c10_threshold():
-    return _threshold("libc10.so", "FLAGS_caffe2_log_level")
+    return _threshold("libc10", "FLAGS_caffe2_log_level")
 
 
 @contextlib.contextmanager
