@@ -124,15 +124,20 @@ def _build(impl: str, world: int):
 
 
 def _sample_peak(model, peak: list) -> list:
-    """Hooks that sample our unsharded bytes at every module boundary, both directions. They
-    cost time (full backward hooks wrap every module), so they run in untimed steps only."""
+    """Hooks that sample our unsharded bytes at every module boundary, both directions: after
+    each module's forward, and in backward when the gradient of its output arrives (a hook on
+    that tensor: a full backward hook would make torch warn for every module whose inputs need
+    no gradient, as the embedding's token ids). They cost time, so they run in untimed steps
+    only."""
     def sample(*_):
         peak[0] = max(peak[0], _our_unsharded_bytes(model))
-    handles = []
-    for m in model.modules():
-        handles.append(m.register_forward_hook(sample))
-        handles.append(m.register_full_backward_hook(sample))
-    return handles
+
+    def after_forward(_module, _inputs, output):
+        sample()
+        for t in output if isinstance(output, (tuple, list)) else (output,):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(sample)   # returns None: the gradient passes unchanged
+    return [m.register_forward_hook(after_forward) for m in model.modules()]
 
 
 def _timed(step, args, prof: cProfile.Profile | None = None):

@@ -186,12 +186,14 @@ def peaks(timeline) -> dict[str, int]:
 
 
 def profiled_step(model, opt, tokens) -> dict[str, int]:
-    from torch.profiler import ProfilerActivity, profile, record_function
+    from torch.profiler import record_function
+
+    from dtensor_lite.quiet_profiler import memory_profile
 
     def marks(name):
         with record_function(f"mark::{name}"):
             pass
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with memory_profile() as prof:   # the profiler without its log lines
         train_step(model, opt, tokens, marks)
     return peaks(allocation_timeline(prof))
 

@@ -251,7 +251,7 @@ def train(cfg: TrainConfig) -> list[float]:
                                   [Partial("avg")]).full_tensor()
         losses.append(float(mean))
         if show:
-            show.step(step, losses[-1], cfg.batch * cfg.seq / (time.perf_counter() - t0))
+            show.step(step, losses[-1], timings[-1][0])
     if cfg.losses and dist.get_rank() == 0:
         Path(cfg.losses).write_text(json.dumps(losses))
     if cfg.save:
@@ -265,10 +265,27 @@ def train(cfg: TrainConfig) -> list[float]:
     return losses
 
 
+def after_warmup(per_step: list) -> list:
+    """The steps every reported median is taken over: all but the first, which pays for warm-up
+    (process groups, caches, compilation) -- or the only one."""
+    return per_step[1:] or per_step
+
+
+def median_step(step_seconds: list[float]) -> float:
+    """The median of ``after_warmup``'s step times (on rank 0: its "step ms")."""
+    return statistics.median(after_warmup(step_seconds))
+
+
+def throughput(step_seconds: list[float], tokens_per_step: int) -> float:
+    """The run's tokens/s, the one figure the progress bar and the summary show: the global
+    batch's tokens over ``median_step``."""
+    return tokens_per_step / median_step(step_seconds)
+
+
 def rank_summary(timings, device_type: str) -> dict:
     """This rank's median step time, exposed (waited-for) and in-flight communication per step,
     and peak memory (CUDA: allocated by tensors; CPU: the process's peak resident set)."""
-    steady = timings[1:] or timings  # the first step pays for warm-up (groups, caches, compile)
+    steady = after_warmup(timings)
     if device_type == "cuda":
         peak = torch.cuda.max_memory_allocated()
     else:
@@ -337,7 +354,9 @@ class _Display:
         self.console = Console()
         self.memory = None  # a MemoryTracker of the last step
         self.t0 = time.perf_counter()
-        self.rates: list[float] = []
+        self.tokens_per_step = cfg.batch * cfg.seq
+        self.first_step = start                 # 0-based: the first step this run trains
+        self.step_seconds: list[float] = []     # rank 0's step times, as in its "step ms"
         mesh_table = Table(title=f"device mesh ({mesh.device_type}, "
                                  f"{mesh.mesh.numel()} ranks)")
         for col in ("dim", "size", "role"):
@@ -370,9 +389,17 @@ class _Display:
                                            loss=float("nan"), rate=0.0)
         self.progress.start()
 
-    def step(self, step: int, loss: float, rate: float):
-        self.rates.append(rate)
-        self.progress.update(self.task, completed=step + 1, loss=loss, rate=rate)
+    def step(self, step: int, loss: float, seconds: float):
+        self.step_seconds.append(seconds)
+        self.progress.update(self.task, completed=step + 1, loss=loss,
+                             rate=throughput(self.step_seconds, self.tokens_per_step))
+
+    def _steps_measured(self) -> str:
+        """Which steps (numbered from 1) ``throughput`` takes its median over."""
+        first, last = self.first_step + 1, self.first_step + len(self.step_seconds)
+        if first == last:
+            return f"step {first} only, warm-up included"
+        return f"steps {first + 1}-{last}" if first + 1 < last else f"step {last}"
 
     def finish(self, losses: list[float], saved: str | None, per_rank: list[dict] | None = None):
         self.progress.stop()
@@ -381,12 +408,15 @@ class _Display:
             return
         if per_rank:
             self.console.print(_rank_table(per_rank))
-        # the first steps include warm-up (process groups, caches): report the median rate
-        rate = sorted(self.rates)[len(self.rates) // 2]
+        rate = throughput(self.step_seconds, self.tokens_per_step)
         self.console.print(
             f"[bold green]done[/]: {len(losses)} steps in {time.perf_counter() - self.t0:.1f} s, "
-            f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, median {rate:,.0f} tokens/s"
+            f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, {rate:,.0f} tokens/s"
             + (f", checkpoint saved to {saved}" if saved else ""))
+        # the definition of the figure (the progress bar shows the same one)
+        self.console.print(f"[dim]tokens/s = {self.tokens_per_step:,} tokens per step / "
+                           f"{1e3 * median_step(self.step_seconds):.1f} ms, rank 0's median "
+                           f"step ({self._steps_measured()})[/]")
         if self.memory is not None:
             self.console.print(self.memory.table(
                 per_module=False, title=f"rank 0, last step: peak "

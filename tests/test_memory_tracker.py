@@ -57,3 +57,32 @@ def test_tracker_peak_agrees_with_the_profiler_on_the_benchmark_model():
     assert phases["forward"][ACTIVATIONS] > 0
     assert "layers.0" in {module for module, _ in mem.by_module_phase()}
     mem.table()  # renders
+
+
+def test_memory_profile_silences_only_its_own_calls_and_restores_the_thresholds():
+    """The profiler runs (the block's allocation is in its events) with c10's warnings held back
+    inside the block only, and both loggers' thresholds are as they were afterwards."""
+    from dtensor_lite.quiet_profiler import _c10_threshold, _kineto_threshold, memory_profile
+
+    c10, kineto = _c10_threshold(), _kineto_threshold()
+    assert c10 is not None and kineto is not None, "torch no longer exports the log thresholds"
+    with memory_profile():  # the first profiler of a process starts kineto, which sets its own
+        pass
+    before = c10.value, kineto.value
+    kept = torch.ones(1)
+    with memory_profile() as prof:
+        assert c10.value == max(2, before[0])   # WARNING and below dropped, ERROR still shown
+        del kept                                # allocated before: the allocator would warn
+        made = torch.empty(12345, dtype=torch.uint8)
+    assert (c10.value, kineto.value) == before
+    sizes = [e.extra_fields.alloc_size for e in _walk(prof.profiler.kineto_results)
+             if e.name == "[memory]"]
+    assert made.untyped_storage().nbytes() in sizes
+
+
+def _walk(results):
+    stack = list(results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        yield e

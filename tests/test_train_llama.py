@@ -4,9 +4,15 @@
 sequence parallelism and loss parallelism) against ``reference_losses``: the same model, data and
 AdamW in plain single-process torch on the global batch. fp32: max relative difference <= 1e-5
 at every step. Also: a checkpoint written on one mesh resumes on another with the losses of a run
-that was never interrupted.
+that was never interrupted; and the README's first command prints only our own lines, with one
+tokens/s figure.
 """
 import dataclasses
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +21,7 @@ from examples.train_llama import TrainConfig, reference_losses, train
 from tests import conftest
 from tests.harness import run_distributed
 
+REPO = Path(__file__).resolve().parents[1]
 TINY = LlamaConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, ffn_dim=48, max_seq_len=16)
 STEPS = 10
 
@@ -170,3 +177,42 @@ def test_training_survives_process_group_reinit():
     cfg = _cfg("dp_shard=2,tp=2", steps=3)
     for first, second in run_distributed(4, _train_twice_across_reinit, cfg, timeout=300):
         assert first == second
+
+
+# ============================================================================ what it prints
+_NATIVE_LOG_LINE = re.compile(r"^(\[rank\d+\]:)?\[?[IWEF]\d{4} \d\d:\d\d:\d\d")  # c10 / glog
+
+
+def test_readme_command_prints_only_our_lines_and_one_throughput():
+    """The README's first command, 3 steps: no line from PyTorch's internals (the profiler's
+    ``USDT ... profiler_start/stop``, the allocator's ``CPUAllocator`` warning, any c10 log line),
+    and its tokens/s figures are one figure: the progress bar's equals the summary's, which is
+    the tokens per step over rank 0's median step time as its table prints it."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TORCH_CPP_LOG_LEVEL", "KINETO_LOG_LEVEL")}  # see what a user sees
+    # OMP_NUM_THREADS: what torchrun's own banner asks for (the example sets 1 thread anyway)
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "4", "examples/train_llama.py", "--mesh", "dp_shard=2,tp=2", "--steps", "3"]
+    run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    out = run.stdout + run.stderr
+    assert run.returncode == 0, out[-4000:]
+    for line in out.splitlines():
+        assert not any(s in line for s in ("USDT", "profiler_start", "profiler_stop",
+                                           "CPUAllocator")), line
+        assert not _NATIVE_LOG_LINE.match(line), line
+
+    text = " ".join(run.stdout.split())  # rich wraps long lines at the console's width
+    bar = re.search(r"training \S+ 3/3 loss [\d.]+ ([\d,]+) tokens/s", text)
+    done = re.search(r"done: 3 steps in [\d.]+ s, loss [\d.]+ -> [\d.]+, ([\d,]+) tokens/s", text)
+    defined = re.search(r"tokens/s = ([\d,]+) tokens per step / ([\d.]+) ms, rank 0's median "
+                        r"step \(steps 2-3\)", text)
+    rank0 = re.search(r"│ 0 │ ([\d.]+) │", text)   # rank 0's row: its median step ms
+    assert bar and done and defined and rank0, run.stdout[-3000:]
+    rate = float(done.group(1).replace(",", ""))
+    assert float(bar.group(1).replace(",", "")) == rate
+    tokens, ms = int(defined.group(1).replace(",", "")), float(defined.group(2))
+    assert tokens == TrainConfig.batch * TrainConfig.seq
+    assert float(rank0.group(1)) == ms
+    # printed to 0.1 ms and to whole tokens/s: they agree up to those roundings
+    assert abs(rate - tokens / (ms / 1e3)) <= 0.5 + rate * 0.05 / ms + 1e-9, (rate, tokens, ms)
