@@ -37,7 +37,7 @@ from ..placements import Replicate, Shard
 from ..spec import DTensorSpec, outside_shape
 
 __all__ = ["CrossMeshPlan", "check_meshes", "plan_cross_mesh", "redistribute_across_meshes",
-           "mesh_instances"]
+           "mesh_instances", "reduced_source", "shift_box", "box_slices"]
 
 Box = tuple  # ((start, stop), ...) per tensor dim
 
@@ -142,9 +142,13 @@ def reduced_source(src: DTensorSpec) -> DTensorSpec:
 _PLANS: dict = _caches.register(_caches.LRUCache(256))
 
 
-def plan_cross_mesh(src: DTensorSpec, dst: DTensorSpec) -> CrossMeshPlan:
-    """The pure-metadata plan moving a tensor laid out as ``src`` (no Partial) to ``dst``."""
-    key = (src, dst)
+def plan_cross_mesh(src: DTensorSpec, dst: DTensorSpec, region=None) -> CrossMeshPlan:
+    """The pure-metadata plan moving a tensor laid out as ``src`` (no Partial) to ``dst``.
+
+    ``region=(dim, offset)``: ``src`` fills only rows ``offset .. offset + src.shape[dim]`` of
+    ``dst`` along ``dim`` (a fused destination such as ``qkv``); boxes stay in ``src``'s
+    coordinates and the receiver shifts them."""
+    key = (src, dst, region)
     plan = _PLANS.get(key)
     if plan is not None:
         return plan
@@ -160,6 +164,8 @@ def plan_cross_mesh(src: DTensorSpec, dst: DTensorSpec) -> CrossMeshPlan:
     load = {box: 0 for box in holders}  # round-robin position per source box
     for rank, coord in _members(dst.mesh, dst):
         need = _box(dst, coord) if _needs_value(dst, coord) else None
+        if need is not None and region is not None:
+            need = _to_region(need, region, src.shape)
         if need is None:
             continue
         own = held_by.get(rank)
@@ -178,7 +184,26 @@ def plan_cross_mesh(src: DTensorSpec, dst: DTensorSpec) -> CrossMeshPlan:
     return plan
 
 
-def _slices(box: Box, offset) -> tuple:
+def _to_region(box: Box, region, src_shape) -> Box | None:
+    """``box`` (destination coordinates) cut to the region a source fills, in its coordinates."""
+    dim, offset = region
+    start, stop = box[dim]
+    start, stop = max(start - offset, 0), min(stop - offset, src_shape[dim])
+    if start >= stop:
+        return None
+    return box[:dim] + ((start, stop),) + box[dim + 1:]
+
+
+def shift_box(box: Box, region) -> Box:
+    """A box in a source's coordinates moved to its region of the destination."""
+    if region is None:
+        return box
+    dim, offset = region
+    return box[:dim] + ((box[dim][0] + offset, box[dim][1] + offset),) + box[dim + 1:]
+
+
+def box_slices(box: Box, offset) -> tuple:
+    """Index of ``box`` (global coordinates) in a piece that starts at ``offset``."""
     return tuple(slice(s - o, e - o) for (s, e), o in zip(box, offset))
 
 
@@ -202,7 +227,7 @@ def redistribute_across_meshes(local: torch.Tensor, src: DTensorSpec,
     sends = {}
     for (a, b), boxes in plan.pairs.items():
         if a == me:
-            pieces = [local[_slices(box, src_offset)].reshape(-1) for box in boxes]
+            pieces = [local[box_slices(box, src_offset)].reshape(-1) for box in boxes]
             sends[b] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
     recvs = {a: (sum(_volume(box) for box in boxes), dst.dtype)
              for (a, b), boxes in plan.pairs.items() if b == me}
@@ -214,14 +239,14 @@ def redistribute_across_meshes(local: torch.Tensor, src: DTensorSpec,
     out = torch.zeros(shape, dtype=dst.dtype, device=device) if not _needs_value(dst, dst_coord) \
         else torch.empty(shape, dtype=dst.dtype, device=device)
     for box in plan.local.get(me, ()):
-        out[_slices(box, offset)] = local[_slices(box, src_offset)]
+        out[box_slices(box, offset)] = local[box_slices(box, src_offset)]
     for (a, b), boxes in plan.pairs.items():
         if b != me:
             continue
         flat, start = received[a], 0
         for box in boxes:
             n = _volume(box)
-            out[_slices(box, offset)] = flat[start:start + n].reshape(
+            out[box_slices(box, offset)] = flat[start:start + n].reshape(
                 [e - s for s, e in box])
             start += n
     return out
