@@ -107,28 +107,42 @@ class RelayoutPlan:
         self.fingerprint = _fingerprint(moves, (bucket_bytes, str(wire_dtype)))
 
     # ------------------------------------------------------------------ dry run
+    # Tensors of one shape and layout share one cross-mesh plan (a model's layers do), so the
+    # figures are computed per distinct plan and counted: a 70B model over 256 ranks sizes in
+    # seconds on one CPU.
+    def _counted(self, moves=None):
+        counts: dict = {}
+        for m in (self.moves if moves is None else moves):
+            entry = counts.setdefault(id(m.plan), [m.plan, 0])
+            entry[1] += 1
+        return counts.values()
+
     def pair_bytes(self) -> dict:
         """{(source rank, destination rank): bytes} over the whole relayout."""
         out: dict = {}
-        for m in self.moves:
-            for pair, n in m.plan.pair_bytes().items():
-                out[pair] = out.get(pair, 0) + n
+        for plan, count in self._counted():
+            for pair, n in _pair_bytes(plan).items():
+                out[pair] = out.get(pair, 0) + n * count
         return out
 
     def bytes_sent(self) -> dict:
+        """{rank: bytes it sends} over the whole relayout."""
+        return self._per_rank(0)
+
+    def bytes_received(self) -> dict:
+        return self._per_rank(1)
+
+    def _per_rank(self, side: int, moves=None) -> dict:
         out: dict = {}
-        for (a, _), n in self.pair_bytes().items():
-            out[a] = out.get(a, 0) + n
+        for plan, count in self._counted(moves):
+            for r, n in _rank_bytes(plan)[side].items():
+                out[r] = out.get(r, 0) + n * count
         return out
 
     def bucket_traffic(self, k: int) -> tuple[dict, dict]:
         """({rank: bytes sent}, {rank: bytes received}) in bucket ``k``."""
-        sent, recv = {}, {}
-        for i in self.buckets[k]:
-            for (a, b), n in self.moves[i].plan.pair_bytes().items():
-                sent[a] = sent.get(a, 0) + n
-                recv[b] = recv.get(b, 0) + n
-        return sent, recv
+        moves = [self.moves[i] for i in self.buckets[k]]
+        return self._per_rank(0, moves), self._per_rank(1, moves)
 
     def peak_extra_bytes(self) -> dict:
         """{rank: the most bytes of send + receive buffers it holds at once} (one bucket's)."""
@@ -139,19 +153,55 @@ class RelayoutPlan:
                 peak[r] = max(peak.get(r, 0), sent.get(r, 0) + recv.get(r, 0))
         return peak
 
-    def report(self) -> str:
+    def link_bytes(self, gpus_per_node: int) -> dict:
+        """{"intra-node": bytes, "inter-node": bytes} (ranks numbered node by node)."""
+        out = {"intra-node": 0, "inter-node": 0}
+        for (a, b), n in self.pair_bytes().items():
+            out["intra-node" if a // gpus_per_node == b // gpus_per_node else "inter-node"] += n
+        return out
+
+    def estimate_seconds(self, link_model) -> float:
+        """The busiest rank's time from a ``plan.cost.LinkModel``: per bucket, the larger of what
+        it sends and what it receives over each link kind at that link's bandwidth, plus one
+        latency per peer; buckets run one after another."""
+        g = link_model.gpus_per_node
+        total = 0.0
+        for k in range(len(self.buckets)):
+            moves = [self.moves[i] for i in self.buckets[k]]
+            per_rank: dict = {}
+            peers: dict = {}
+            for plan, count in self._counted(moves):
+                for (a, b), n in _pair_bytes(plan).items():
+                    link = link_model.intra if a // g == b // g else link_model.inter
+                    for r in (a, b):  # a rank's send and receive sides run at once
+                        key = (r, a == r)
+                        per_rank[key] = per_rank.get(key, 0.0) + n * count / link.bandwidth
+                        peers.setdefault(key, set()).add(b if a == r else a)
+            if per_rank:
+                total += max(t + len(peers[key]) * link_model.inter.latency
+                             for key, t in per_rank.items())
+        return total
+
+    def report(self, top: int = 16) -> str:
         pairs = self.pair_bytes()
         lines = [f"relayout: {len(self.moves)} moves in {len(self.buckets)} buckets of <= "
                  f"{_mb(self.bucket_bytes)} per rank, wire dtype {self.wire_dtype or 'as source'}",
-                 f"total bytes moved: {_mb(sum(pairs.values()))}; busiest sender: "
-                 + (_busiest(self.bytes_sent()) if pairs else "none")]
-        lines.append("bytes per rank pair (src -> dst):")
-        for (a, b), n in sorted(pairs.items()):
+                 f"total bytes moved: {_mb(sum(pairs.values()))} over {len(pairs)} rank pairs; "
+                 "busiest sender: " + (_busiest(self.bytes_sent()) if pairs else "none")
+                 + "; busiest receiver: " + (_busiest(self.bytes_received()) if pairs else "none")]
+        shown = sorted(pairs.items(), key=lambda kv: (-kv[1], kv[0]))[:top]
+        lines.append("bytes per rank pair (src -> dst)"
+                     + (f", the {top} largest of {len(pairs)}:" if len(pairs) > top else ":"))
+        for (a, b), n in sorted(shown):
             lines.append(f"  {a:>4} -> {b:<4} {_mb(n)}")
         peak = self.peak_extra_bytes()
         if peak:
-            lines.append("peak extra memory per rank (send + receive buffers of one bucket): "
-                         + ", ".join(f"{r}: {_mb(n)}" for r, n in sorted(peak.items())))
+            worst = max(peak, key=peak.get)
+            lines.append("peak extra memory (send + receive buffers of one bucket): "
+                         f"at most {_mb(peak[worst])} (rank {worst})"
+                         + ("; per rank: " + ", ".join(f"{r}: {_mb(n)}" for r, n in
+                                                      sorted(peak.items()))
+                            if len(peak) <= 16 else ""))
         return "\n".join(lines)
 
     def as_dict(self) -> dict:
@@ -228,6 +278,32 @@ class RelayoutPlan:
                     piece[box_slices(shift_box(box, m.region), dst_offset)] = \
                         flat[start:start + n].reshape([e - s for s, e in box]).to(piece.dtype)
                     cursor[a] = start + n
+
+
+_PLAN_FIGURES: dict = {}  # id(cross-mesh plan) -> (plan, pair bytes, (sent, received) per rank)
+
+
+def _figures(plan):
+    entry = _PLAN_FIGURES.get(id(plan))
+    if entry is None or entry[0] is not plan:
+        pairs = plan.pair_bytes()
+        sent: dict = {}
+        recv: dict = {}
+        for (a, b), n in pairs.items():
+            sent[a] = sent.get(a, 0) + n
+            recv[b] = recv.get(b, 0) + n
+        if len(_PLAN_FIGURES) > 4096:
+            _PLAN_FIGURES.clear()
+        entry = _PLAN_FIGURES[id(plan)] = (plan, pairs, (sent, recv))
+    return entry
+
+
+def _pair_bytes(plan) -> dict:
+    return _figures(plan)[1]
+
+
+def _rank_bytes(plan) -> tuple:
+    return _figures(plan)[2]
 
 
 def _mb(n: int) -> str:
@@ -338,21 +414,20 @@ def plan_relayout(src, dst, *, name_map: dict | Callable | None = None,
 
 
 def _buckets(moves, bucket_bytes: int) -> list:
-    """Consecutive moves while no rank's sends or receives in the bucket pass ``bucket_bytes``."""
+    """Consecutive moves while no rank's sends or receives in the bucket pass ``bucket_bytes``
+    (one dtype per bucket: a bucket is one message per rank pair)."""
     buckets, current, sent, recv = [], [], {}, {}
     for i, m in enumerate(moves):
+        s_m, r_m = _rank_bytes(m.plan)
         s2, r2 = dict(sent), dict(recv)
-        for (a, b), n in m.plan.pair_bytes().items():
-            s2[a] = s2.get(a, 0) + n
-            r2[b] = r2.get(b, 0) + n
+        for r, n in s_m.items():
+            s2[r] = s2.get(r, 0) + n
+        for r, n in r_m.items():
+            r2[r] = r2.get(r, 0) + n
         over = max([*s2.values(), *r2.values(), 0]) > bucket_bytes
-        # one message per rank pair and bucket carries one dtype
         if current and (over or moves[current[0]].src.dtype != m.src.dtype):
             buckets.append(current)
-            current, s2, r2 = [], {}, {}
-            for (a, b), n in m.plan.pair_bytes().items():
-                s2[a] = s2.get(a, 0) + n
-                r2[b] = r2.get(b, 0) + n
+            current, s2, r2 = [], dict(s_m), dict(r_m)
         current.append(i)
         sent, recv = s2, r2
     if current:
