@@ -188,3 +188,24 @@ def test_relayout_errors_are_clear_on_every_rank():
     plan = plan_relayout(src, dst, bucket_bytes=64 if rank != 3 else 1 << 20)
     with pytest.raises(ValueError, match="different relayout plans"):
         plan.run(src, dst)
+
+
+def test_relayout_dry_run_cli_at_scale_sizes_every_byte_once(capsys):
+    """``python -m dtensor_lite.plan relayout`` on one process: 4 FSDP ranks -> TP-2 on two
+    other ranks, bf16 on the wire: every element crosses once, the norms (whole on both TP
+    ranks) twice."""
+    import json
+    import math
+
+    from dtensor_lite.plan.__main__ import main
+    from dtensor_lite.plan.__main__ import model_config
+    main(["relayout", "--model", "example", "--src", "dp_shard=4", "--dst", "tp=2",
+          "--dst-first-rank", "4", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    with torch.device("meta"):
+        model = Llama(model_config("example"))
+    total = sum(p.numel() * (2 if "norm" in n else 1) for n, p in model.named_parameters())
+    assert out["world"] == 6 and out["total_bytes"] == total * 2
+    assert out["link_bytes"]["intra-node"] == out["total_bytes"]  # 6 ranks: one node of 8
+    assert not dist.is_initialized()
+    assert math.isfinite(out["estimate_seconds"])

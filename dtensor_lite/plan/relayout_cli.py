@@ -105,7 +105,8 @@ def main(argv=None):
         links = plan.link_bytes(args.gpus_per_node)
         seconds = plan.estimate_seconds(link)
         if args.json:
-            print(json.dumps({"world": world, "link_bytes": links, "estimate_seconds": seconds,
+            print(json.dumps({"world": world, "link_bytes": links,
+                              "total_bytes": sum(plan.pair_bytes().values()), "estimate_seconds": seconds,
                               "buckets": len(plan.buckets),
                               "busiest_sender_bytes": max(plan.bytes_sent().values()),
                               "peak_extra_bytes": max(plan.peak_extra_bytes().values())},
