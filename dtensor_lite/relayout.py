@@ -231,9 +231,9 @@ class RelayoutPlan:
 
     def _run_bucket(self, moves, srcs, dsts):
         me = torch.distributed.get_rank()
-        sends: dict = {}
         recvs: dict = {}
         local_src = {}
+        send_numel: dict = {}
         for m in moves:
             t = srcs[m.src_name]
             local = t._local_tensor
@@ -245,18 +245,31 @@ class RelayoutPlan:
             offset = reduced.local_shape_and_offset()[1] if coord is not None else None
             local_src[id(m)] = (local, offset)
             for (a, b), boxes in m.plan.pairs.items():
+                numel = sum(_volume(box) for box in boxes)
                 if a == me:
-                    for box in boxes:  # cast before sending: the wire carries the wire dtype
-                        sends.setdefault(b, []).append(
-                            local[box_slices(box, offset)].reshape(-1).to(m.src.dtype))
+                    send_numel[b] = send_numel.get(b, 0) + numel
                 if b == me:
-                    numel = sum(_volume(box) for box in boxes)
                     n, dtype = recvs.get(a, (0, m.src.dtype))
                     recvs[a] = (n + numel, dtype)
-        flat_sends = {b: (p[0] if len(p) == 1 else torch.cat(p)) for b, p in sends.items()}
+        # one buffer per peer in the wire dtype, filled in place: the cast happens in the copy,
+        # before sending, and no piece is held twice
+        wire = moves[0].src.dtype
+        flat_sends = {b: torch.empty(n, dtype=wire, device=local.device)
+                      for b, n in send_numel.items()}
+        fill = dict.fromkeys(flat_sends, 0)
+        for m in moves:
+            local, offset = local_src[id(m)]
+            for (a, b), boxes in m.plan.pairs.items():
+                if a != me:
+                    continue
+                for box in boxes:
+                    n = _volume(box)
+                    flat_sends[b][fill[b]:fill[b] + n].view(
+                        [e - s for s, e in box]).copy_(local[box_slices(box, offset)])
+                    fill[b] += n
         device = next(iter(dsts.values())).device if dsts else torch.device("cpu")
         received = C.exchange_pieces(flat_sends, recvs, device) if flat_sends or recvs else {}
-        del flat_sends, sends
+        del flat_sends
         cursor = {a: 0 for a in received}
         for m in moves:
             out = dsts[m.dst_name]
