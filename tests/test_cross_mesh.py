@@ -244,3 +244,16 @@ def test_cross_mesh_errors_are_clear_on_every_rank():
         x.redistribute(B, [Shard(2), Replicate()])
     with pytest.raises(TypeError, match="DeviceMesh"):
         x.redistribute("cpu", [Shard(0)])
+
+
+@distributed(world_size=4)
+def test_explain_cross_mesh_redistribute_shows_the_boxes():
+    from dtensor_lite import explain_redistribute
+    A = init_device_mesh("cpu", (4,))
+    B = DeviceMesh("cpu", [2, 3])
+    x = distribute_tensor(torch.randn(8, 4), A, [Shard(0)])
+    plan = explain_redistribute(x, B, [Shard(1)])
+    with CommDebugMode() as comm:
+        x.redistribute(B, [Shard(1)])
+    assert plan.bytes_sent().get(dist.get_rank(), 0) == comm.get_comm_bytes().get("cross_mesh", 0)
+    assert plan.cost == 32 and "0 -> 2: [0:2, 0:2]" in str(plan)

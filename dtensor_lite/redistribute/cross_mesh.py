@@ -84,6 +84,22 @@ class CrossMeshPlan(NamedTuple):
     def pair_bytes(self) -> dict:
         return {k: sum(_volume(b) for b in v) * self.itemsize for k, v in self.pairs.items()}
 
+    @property
+    def cost(self) -> int:
+        """Bytes sent by the busiest rank (a Partial source's reduction inside its mesh, which
+        runs first, not included)."""
+        return max(self.bytes_sent().values(), default=0)
+
+    def __str__(self):
+        lines = [f"cross-mesh redistribute: {len(self.pairs)} rank pairs, busiest sender "
+                 f"{self.cost} B"]
+        for (a, b), boxes in sorted(self.pairs.items()):
+            spans = ", ".join("[" + ", ".join(f"{s}:{e}" for s, e in box) + "]" for box in boxes)
+            lines.append(f"  {a} -> {b}: {spans} ({self.pair_bytes()[(a, b)]} B)")
+        for rank, boxes in sorted(self.local.items()):
+            lines.append(f"  {rank} keeps {len(boxes)} box(es) it holds already")
+        return "\n".join(lines)
+
 
 def _volume(box: Box) -> int:
     return math.prod(stop - start for start, stop in box)
