@@ -326,7 +326,7 @@ def _decide(op, args, kwargs, dts):
         # well defined across meshes (norms of a list of tensors): the rule handles each mesh
         return _DecomposeDecision(_registry.CROSS_MESH_OPS[op])
     decision = _decide_on_one_mesh(op, args, kwargs, dts)
-    if dts[0]._spec.mesh.get_coordinate() is None:
+    if dts[0]._spec.mesh._coordinate is None:
         if isinstance(decision, _Decision):
             return _OutsideMeshDecision(decision)
         if isinstance(decision, _FallbackDecision):

@@ -18,7 +18,7 @@ def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec,
     if src == dst:
         return local
     if dst.mesh is src.mesh or dst.mesh == src.mesh:
-        if src.mesh.get_coordinate() is None:  # outside the mesh: nothing held, nothing moved
+        if src.mesh._coordinate is None:  # outside the mesh: nothing held, nothing moved
             return local.new_zeros(outside_shape(dst.ndim))
     else:
         from .cross_mesh import redistribute_across_meshes
