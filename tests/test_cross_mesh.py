@@ -163,13 +163,13 @@ def _property(n):
                     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 
 
-@_property(10)
+@_property(8)
 @given(case=cross_cases(4))
 def test_random_cross_mesh_redistribute_4_ranks(case):
     check_minimum_bytes(run_distributed(4, cross_mesh_body, *case))
 
 
-@_property(3)
+@_property(2)
 @given(case=cross_cases(8))
 def test_random_cross_mesh_redistribute_8_ranks(case):
     check_minimum_bytes(run_distributed(8, cross_mesh_body, *case))
