@@ -456,14 +456,15 @@ def relayout_(src, dst, **kwargs) -> RelayoutPlan:
 
 
 @torch.no_grad()
-def relayout_optimizer_state_(src_model: nn.Module, src_opt, dst_model: nn.Module, dst_opt,
+def relayout_optimizer_state_(src_model, src_opt, dst_model, dst_opt,
                               **kwargs) -> RelayoutPlan:
     """Elastic resize: every per-parameter optimizer state tensor laid out like its parameter
     (Adam's ``exp_avg``, ``exp_avg_sq``) moved from ``src_opt``'s state into ``dst_opt``'s, laid
     out like the destination parameters (created there if missing); scalar state (``step``) is
-    copied. Parameters are matched by name (``name_map`` as in :func:`plan_relayout`)."""
-    src_named = dict(src_model.named_parameters())
-    dst_named = dict(dst_model.named_parameters())
+    copied. Parameters are matched by name (``name_map`` as in :func:`plan_relayout`); the
+    models are modules or ``{name: parameter}`` dicts (the parameters the optimizers hold)."""
+    src_named = _named(src_model)
+    dst_named = _named(dst_model)
     keys = sorted({k for st in src_opt.state.values() for k, v in st.items()
                    if isinstance(v, DTensor)})
     src_t, dst_t = {}, {}
@@ -485,6 +486,10 @@ def relayout_optimizer_state_(src_model: nn.Module, src_opt, dst_model: nn.Modul
         _mapped(name_map, n.split("::")[0]) + "::" + n.split("::")[1]), **kw)
     plan.run(src_t, dst_t)
     return plan
+
+
+def _named(model) -> dict:
+    return dict(model.named_parameters()) if isinstance(model, nn.Module) else dict(model)
 
 
 def _mapped(name_map, name):

@@ -154,12 +154,7 @@ def test_elastic_resize_optimizer_state_continues_at_parity():
                         for n, p in small.named_parameters()}
     small_opt = torch.optim.Adam(list(small_params.values()), lr=0.1)
     relayout_(big, small_params)
-    holder = torch.nn.Module()  # named parameters for the optimizer-state relayout
-    for n, p in small_params.items():
-        holder.register_parameter(n.replace(".", "_"), torch.nn.Parameter(p, requires_grad=True)
-                                  if not isinstance(p, torch.nn.Parameter) else p)
-    relayout_optimizer_state_(big, big_opt, holder, small_opt,
-                              name_map=lambda n: n.replace("_", "."))
+    relayout_optimizer_state_(big, big_opt, small_params, small_opt)
     if rank < 2:
         small(batches[1]).pow(2).sum().backward()
         small_opt.step()
