@@ -226,3 +226,36 @@ def test_peak_extra_memory_of_a_bucketed_relayout_is_at_most_two_buckets():
     assert mem.peak_bytes <= 2 * bucket + 64, mem.peak_bytes
     for n, t in full.items():
         assert torch.equal(dst[n].to_local(), distribute_tensor(t, B, [Shard(1)]).to_local())
+
+
+class _QKV(torch.nn.Module):
+    def __init__(self, dim, fused):
+        super().__init__()
+        if fused:
+            self.qkv = torch.nn.Linear(dim, 3 * dim)
+        else:
+            self.q, self.k, self.v = (torch.nn.Linear(dim, dim) for _ in range(3))
+
+    def forward(self, x):
+        if hasattr(self, "qkv"):
+            return self.qkv(x)
+        return torch.cat([self.q(x), self.k(x), self.v(x)], dim=-1)
+
+
+@distributed(world_size=4)
+def test_fsdp_q_k_v_into_a_fused_tp_qkv_model_outputs_equal_one_process():
+    from tp import ColwiseParallel, parallelize_module
+    torch.manual_seed(0)
+    ref = _QKV(8, fused=False)
+    src = copy.deepcopy(ref)
+    fully_shard(src, mesh=init_device_mesh("cpu", (4,)))
+    dst = _QKV(8, fused=True)
+    parallelize_module(dst, DeviceMesh("cpu", [1, 2]), {"qkv": ColwiseParallel(
+        output_layouts=Replicate())})
+    fused = {f"qkv.{w}": Concat([f"q.{w}", f"k.{w}", f"v.{w}"], dim=0)
+             for w in ("weight", "bias")}
+    relayout_(src, dst, fused=fused)
+    x = torch.randn(3, 8)
+    out = dst(x)
+    if dist.get_rank() in (1, 2):
+        torch.testing.assert_close(out, ref(x))
