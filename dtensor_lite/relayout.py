@@ -465,16 +465,14 @@ def relayout_optimizer_state_(src_model, src_opt, dst_model, dst_opt,
     models are modules or ``{name: parameter}`` dicts (the parameters the optimizers hold)."""
     src_named = _named(src_model)
     dst_named = _named(dst_model)
-    keys = sorted({k for st in src_opt.state.values() for k, v in st.items()
-                   if isinstance(v, DTensor)})
     src_t, dst_t = {}, {}
     name_map = kwargs.get("name_map")
     for dname, dp in dst_named.items():
-        sname = name_map(dname) if callable(name_map) else (name_map or {}).get(dname, dname)
+        sname = _mapped(name_map, dname)
         sstate = src_opt.state.get(src_named[sname], {})
         dstate = dst_opt.state[dp]
         for k, v in sstate.items():
-            if k in keys and isinstance(v, DTensor):
+            if isinstance(v, DTensor):  # laid out like its parameter: moved like it
                 if k not in dstate:
                     dstate[k] = torch.zeros_like(dp.detach())
                 src_t[f"{sname}::{k}"] = v
