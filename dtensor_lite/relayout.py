@@ -27,7 +27,6 @@ Example::
 """
 from __future__ import annotations
 
-import math
 import zlib
 from typing import Callable, NamedTuple
 

@@ -127,7 +127,7 @@ def _needs_value(spec: DTensorSpec, coord) -> bool:
     return not any(p.is_partial("sum") and coord[i] != 0 for i, p in enumerate(spec.placements))
 
 
-def _members(mesh, spec: DTensorSpec):
+def _members(mesh):
     """(global rank, coordinate) of every rank of every instance of ``mesh``."""
     out = []
     for inst in mesh_instances(mesh):
@@ -170,7 +170,7 @@ def plan_cross_mesh(src: DTensorSpec, dst: DTensorSpec, region=None) -> CrossMes
         return plan
     holders: dict = {}  # source box -> global ranks holding it (every replica)
     held_by: dict = {}  # global rank -> its source box
-    for rank, coord in _members(src.mesh, src):
+    for rank, coord in _members(src.mesh):
         box = _box(src, coord)
         held_by[rank] = box
         if box is not None:
@@ -178,7 +178,7 @@ def plan_cross_mesh(src: DTensorSpec, dst: DTensorSpec, region=None) -> CrossMes
     pairs: dict = {}
     local: dict = {}
     load = {box: 0 for box in holders}  # round-robin position per source box
-    for rank, coord in _members(dst.mesh, dst):
+    for rank, coord in _members(dst.mesh):
         need = _box(dst, coord) if _needs_value(dst, coord) else None
         if need is not None and region is not None:
             need = _to_region(need, region, src.shape)
