@@ -36,8 +36,8 @@ import torch.nn as nn
 from . import collectives as C
 from .dtensor import DTensor, _default_mesh
 from .placements import Replicate
-from .redistribute.cross_mesh import (_volume, box_slices, check_meshes, plan_cross_mesh,
-                                      reduced_source, shift_box)
+from .redistribute.cross_mesh import (_volume, box_slices, check_meshes, mesh_instances,
+                                      plan_cross_mesh, reduced_source, shift_box)
 from .redistribute.local import redistribute_local
 from .spec import DTensorSpec, TensorMeta
 
@@ -332,17 +332,16 @@ def _fingerprint(moves, options) -> int:
     """A number every rank computes alike for the same plan (names, shapes, dtypes, meshes,
     placements, regions): differing numbers mean the ranks planned different moves."""
     parts = [str(options)]
+    meshes: dict = {}  # id -> its ranks as text, once per mesh
     for m in moves:
         for spec in (m.src, m.dst):
-            parts.append(f"{spec.mesh.device_type}{[t.tolist() for t in _instances(spec.mesh)]}"
-                         f"{spec.placements}{spec.shard_order}{tuple(spec.shape)}{spec.dtype}")
+            mesh = spec.mesh
+            if id(mesh) not in meshes:
+                meshes[id(mesh)] = f"{mesh.device_type}{[t.tolist() for t in mesh_instances(mesh)]}"
+            parts.append(f"{meshes[id(mesh)]}{spec.placements}{spec.shard_order}"
+                         f"{tuple(spec.shape)}{spec.dtype}")
         parts.append(f"{m.src_name}>{m.dst_name}@{m.region}")
     return zlib.crc32("|".join(parts).encode()) & 0x7FFFFFFF
-
-
-def _instances(mesh):
-    from .redistribute.cross_mesh import mesh_instances
-    return mesh_instances(mesh)
 
 
 def _check_same_plan(plan: RelayoutPlan) -> None:

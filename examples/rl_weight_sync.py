@@ -67,7 +67,7 @@ def build(args):
     return cfg, trainer, trainer_tensors, trainer_mesh, engine, engine_mesh
 
 
-def train_steps(trainer, opt, steps, rank_in_trainer, seed):
+def train_steps(trainer, opt, steps, seed):
     g = torch.Generator().manual_seed(seed)
     for _ in range(steps):
         tokens = torch.randint(0, 256, (2, 17), generator=g)
@@ -193,7 +193,7 @@ def run(args) -> list:
     prompt = torch.arange(5).reshape(1, 5) + 1
     for sync in range(args.syncs):
         if in_trainer:
-            train_steps(trainer, opt, args.sync_every, rank, seed=sync)
+            train_steps(trainer, opt, args.sync_every, seed=sync)
         results = {"relayout": measured(lambda: plan.run(trainer_tensors, engine), engine)}
         ours = generate(engine, prompt, 8) if engine_mesh.get_coordinate() is not None else None
         check_weights(engine, engine_mesh, trainer_tensors, args.torch_dtype)
