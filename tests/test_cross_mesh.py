@@ -257,3 +257,30 @@ def test_explain_cross_mesh_redistribute_shows_the_boxes():
         x.redistribute(B, [Shard(1)])
     assert plan.bytes_sent().get(dist.get_rank(), 0) == comm.get_comm_bytes().get("cross_mesh", 0)
     assert plan.cost == 32 and "0 -> 2: [0:2, 0:2]" in str(plan)
+
+
+def _a_source_rank_fails_before_sending():
+    from dtensor_lite._failures import post_failure
+    from tests.test_no_hang import _fresh_group, _outcome
+    with _fresh_group():
+        A, B = init_device_mesh("cpu", (4,)), DeviceMesh("cpu", [0, 1])
+        x = distribute_tensor(torch.randn(8, 4), A, [Shard(0)])
+        if dist.get_rank() == 3:
+            def fail():
+                error = RuntimeError("injected before the move")
+                post_failure(error)
+                raise error
+            return _outcome(fail)
+        return _outcome(lambda: x.redistribute(B, [Replicate()]))
+
+
+def test_cross_mesh_receivers_stop_when_a_source_rank_fails():
+    """Rank 3 fails instead of sending its rows: ranks 0 and 1, waiting for them in the
+    point-to-point exchange, stop naming it within a poll interval (nothing hangs)."""
+    from tests.test_no_hang import MARGIN
+    outcomes = run_distributed(4, _a_source_rank_fails_before_sending, timeout=60)
+    t_fail = outcomes[3][2]
+    for rank in (0, 1):
+        kind, message, t = outcomes[rank]
+        assert kind == "RankFailedError" and "rank 3: RuntimeError" in message, outcomes[rank]
+        assert t - t_fail < MARGIN + 1.0
