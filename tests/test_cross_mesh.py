@@ -190,6 +190,8 @@ CASES = {
                 [("S", 0)], (9, 2)),
     "empty_pieces": ([0, 1, 2, 3], (4,), [("S", 0)], [1, 2], (2,), [("S", 0)], (1, 3)),
     "scalar": ([0, 1], (2,), [("P", "sum")], [2, 3], (2,), [("R",)], ()),
+    # ranks 2 and 3 are in neither mesh: they send and receive nothing and return at once
+    "outside_both": ([1], (1,), [("R",)], [0], (1,), [("S", 1)], (3, 5)),
 }
 
 
