@@ -14,6 +14,7 @@ from . import checkpoint, debug, experimental, placement_types, random
 from .strategy_api import local_map, register_sharding
 from .primitives import (all_to_all_single, compute_local_shape_and_global_offset, ring_shift,
                          send_recv)
+from .grad_norm import clip_grad_norm_, get_total_norm
 from .state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
                          get_state_dict, set_model_state_dict, set_optimizer_state_dict,
                          set_state_dict)
@@ -25,6 +26,7 @@ __all__ = [
     "debug", "experimental", "placement_types", "register_sharding", "local_map",
     "ring_shift", "send_recv", "all_to_all_single", "compute_local_shape_and_global_offset",
     "StateDictOptions", "get_model_state_dict", "set_model_state_dict", "get_optimizer_state_dict",
-    "set_optimizer_state_dict", "get_state_dict", "set_state_dict",
+    "set_optimizer_state_dict", "get_state_dict", "set_state_dict", "clip_grad_norm_",
+    "get_total_norm",
 ]
 __version__ = "0.1.0"

@@ -36,7 +36,8 @@ from .ops._registry import Decompose, FullStrategy, OpCall, UnsupportedOpError
 from .ops.kit import target_spec
 from .ops.random import ensure_rng_synced
 from .redistribute import plan_redistribute, redistribute_local
-from .spec import DTensorSpec, TensorMeta
+from .placements import Replicate as _Replicate
+from .spec import DTensorSpec, TensorMeta, outside_shape as _outside_shape
 
 __all__ = ["dispatch"]
 
@@ -318,9 +319,76 @@ def _mutated_arg(op, args, kwargs, dts):
     return None
 
 
-def _decide(op, args, kwargs, dts) -> _Decision:
+def _decide(op, args, kwargs, dts):
     if not dts:  # only reachable through odd subclass paths: nothing distributed here
         raise RuntimeError(f"{op}: dispatched to DTensor without DTensor arguments")
+    if op in _registry.CROSS_MESH_OPS and len({id(dt._spec.mesh) for dt in dts}) > 1:
+        # well defined across meshes (norms of a list of tensors): the rule handles each mesh
+        return _DecomposeDecision(_registry.CROSS_MESH_OPS[op])
+    decision = _decide_on_one_mesh(op, args, kwargs, dts)
+    if dts[0]._spec.mesh._coordinate is None:
+        if isinstance(decision, _Decision):
+            return _OutsideMeshDecision(decision)
+        if isinstance(decision, _FallbackDecision):
+            return _OutsideMeshFallback(op, args, kwargs, decision)
+    return decision
+
+
+def _outside_local(spec: DTensorSpec) -> torch.Tensor:
+    """The local piece of ``spec`` on a rank outside its mesh (torch's default tensor)."""
+    return torch.zeros(_outside_shape(spec.ndim), dtype=spec.dtype,
+                       device=torch.device(spec.mesh.device_type))
+
+
+class _OutsideMeshDecision:
+    """A rank outside the inputs' mesh runs no kernel and no collective: it wraps empty pieces
+    in the output specs the members decide (so later metadata-only decisions agree)."""
+
+    fast = False
+
+    def __init__(self, inner: "_Decision"):
+        self.inner = inner
+        self.targets = inner.targets
+        self.view_src = self.copies_view = None
+
+    def run(self, args, kwargs, dts, validate=False):
+        d = self.inner
+        if d.mutated is not None:
+            return dts[d.mutated]
+        if d.out_kind == "tensor":
+            return DTensor(_outside_local(d.out_specs), d.out_specs)
+        if d.out_kind == "seq":
+            res = [None if s is None else DTensor(_outside_local(s), s) for s in d.out_specs]
+            return tuple(res)
+        return None  # a Python scalar (item()): torch's non-members get None too
+
+
+class _OutsideMeshFallback:
+    """A rank outside the mesh for an op without a rule: Replicate empty results."""
+
+    fast = False
+
+    def __init__(self, op, args, kwargs, inner):
+        self.op, self.mesh, self.mutated = op, inner.mesh, inner.mutated
+        self.targets, self.view_src, self.copies_view = inner.targets, None, None
+        self.meta = _meta_outputs(op, args, kwargs) if any(
+            "Tensor" in str(r.type) for r in op._schema.returns) else None
+
+    def run(self, args, kwargs, dts, validate=False):
+        if self.mutated is not None:
+            return dts[self.mutated]
+
+        def wrap(o):
+            if not isinstance(o, torch.Tensor):
+                return None
+            spec = DTensorSpec(self.mesh, [_Replicate()] * self.mesh.ndim,
+                               TensorMeta(o.shape, tuple(o.stride()), o.dtype))
+            return DTensor(_outside_local(spec), spec)
+        meta = self.meta
+        return type(meta)(wrap(o) for o in meta) if isinstance(meta, (tuple, list)) else wrap(meta)
+
+
+def _decide_on_one_mesh(op, args, kwargs, dts):
     mesh = _mesh_of(op, dts)
     if any(_is_plain(a) or (isinstance(a, (list, tuple)) and any(_is_plain(x) for x in a))
            for a in (*args, *kwargs.values())):
@@ -328,7 +396,8 @@ def _decide(op, args, kwargs, dts) -> _Decision:
     rule = _registry.get_rule(op)
     if rule is None:
         if _aliasing.INPLACE_VIEW in op.tags:
-            decision = _aliasing.inplace_view_decision(op, args, kwargs, dts, _decide)
+            decision = _aliasing.inplace_view_decision(op, args, kwargs, dts,
+                                                           _decide_on_one_mesh)
             if decision is not None:
                 return decision
         if (any(a.is_out for a in op._schema.arguments)

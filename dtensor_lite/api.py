@@ -20,6 +20,8 @@ def _partialize(local: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
     """Turn a replicated piece into the piece of the same *global* value under spec's Partials:
     for sum, only coordinate 0 of the mesh dim keeps the value (avg/max/min: everyone does)."""
     coord = spec.mesh.get_coordinate()
+    if coord is None:  # outside the mesh: an empty piece stays one
+        return local
     for i, p in enumerate(spec.placements):
         if p.is_partial("sum") and coord[i] != 0:
             return torch.zeros_like(local)
@@ -61,7 +63,9 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
     spec = DTensorSpec(mesh, placements, TensorMeta(tensor.shape, contiguous_stride(tensor.shape),
                                                     tensor.dtype))
     data = tensor.detach()
-    if src_data_rank is None or tensor.device.type == "meta" or mesh.size() == 1:
+    if mesh.get_coordinate() is None:  # outside the mesh: nothing to hold, no one to talk to
+        local = local_piece(data, spec)
+    elif src_data_rank is None or tensor.device.type == "meta" or mesh.size() == 1:
         local = local_piece(data, spec).contiguous().clone()
     else:
         local = _scatter_pieces(data, spec, src_data_rank)
@@ -71,6 +75,8 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
 
 def _scatter_pieces(data: torch.Tensor, spec: DTensorSpec, src_rank: int) -> torch.Tensor:
     mesh = spec.mesh
+    if mesh.ndim > 1 and mesh._root._root_mesh.numel() != mesh._world_size:
+        return _broadcast_then_slice(data, spec, src_rank)
     flat = _flat_mesh(mesh)
     ranks = flat.mesh.tolist()
     # As in PyTorch, src_data_rank is a rank *within* each mesh dim (group rank), not a global
@@ -95,6 +101,26 @@ def _scatter_pieces(data: torch.Tensor, spec: DTensorSpec, src_rank: int) -> tor
     C.scatter(chunks, out, flat, 0, src_coord)
     my_shape = spec.local_shape()
     return out[: math.prod(my_shape)].reshape(my_shape)
+
+
+def _broadcast_then_slice(data: torch.Tensor, spec: DTensorSpec, src_rank: int) -> torch.Tensor:
+    """src_data_rank's values on an N-D mesh over part of the world: a 1-D view of all its
+    ranks would need a new group, which only every rank of the world can make (the ranks outside
+    do not call distribute_tensor). So the source's tensor is broadcast along each mesh dim in
+    turn (coordinate ``src_rank`` first) and each rank keeps its piece: whole-tensor traffic,
+    paid only on such meshes."""
+    mesh = spec.mesh
+    if isinstance(src_rank, bool) or not isinstance(src_rank, int) or \
+            not all(0 <= src_rank < n for n in mesh.shape):
+        raise ValueError(f"src_data_rank={src_rank!r} must be None or a rank within each dim of "
+                         f"{mesh} (0 <= src_data_rank < {min(mesh.shape)})")
+    coord = mesh.get_coordinate()
+    buf = data.contiguous().clone()
+    for i in range(mesh.ndim):
+        # the ranks that hold the source's values so far: coordinate src_rank on dims >= i
+        if all(c == src_rank for c in coord[i + 1:]):
+            C.broadcast(buf, mesh, i, src_rank)
+    return local_piece(buf, spec).contiguous().clone()
 
 
 def distribute_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
@@ -155,7 +181,10 @@ def _factory(fill: Callable, size, *, dtype, layout, requires_grad, device_mesh,
     spec = DTensorSpec(mesh, placements, TensorMeta(shape, contiguous_stride(shape), dtype))
     device = torch.device(mesh.device_type, torch.cuda.current_device()) \
         if mesh.device_type == "cuda" else torch.device(mesh.device_type)
-    if global_values:
+    if mesh.get_coordinate() is None:  # outside the mesh: an empty piece, no rng draw
+        from .spec import outside_shape
+        local = torch.zeros(outside_shape(len(shape)), dtype=dtype, device=device)
+    elif global_values:
         # random values must not depend on the mesh: draw the global tensor, keep this piece
         # (every rank's generator must be in the same state for that: see set_rng_sync_mode)
         from .ops.random import ensure_rng_synced

@@ -18,7 +18,8 @@ Cost model (bytes sent per rank; ``n`` = group size, ``c`` = one padded chunk in
   all_gather (n-1)*c · reduce_scatter (n-1)*c · all_reduce 2*(n-1)*ceil(numel/n)*itemsize ·
   all_to_all (n-1)*c · broadcast numel*itemsize · scatter (n-1)*c (the source's share) ·
   all_to_all_single (uneven splits) the rows sent to other ranks · send_recv / ring_shift the
-  bytes this rank sends (0 on a rank that only receives).
+  bytes this rank sends (0 on a rank that only receives) · cross_mesh (``exchange_pieces``,
+  point-to-point between any ranks) the bytes this rank sends.
 """
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ from .debug import _ACTIVE, _CHECKING, _TIMERS, CommFlight, _record
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "scatter",
            "broadcast_object", "all_reduce_cost", "flat_all_gather", "flat_reduce_scatter",
-           "all_to_all_single", "send_recv", "Pending"]
+           "all_to_all_single", "send_recv", "exchange_pieces", "Pending"]
 
 # torch 2.13 renamed the *_into_tensor / *_tensor collectives to *_single
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -618,4 +619,47 @@ def send_recv(tensor: torch.Tensor | None, mesh, mesh_dim: int, dst: int | None,
         if received is None:
             return None
         return _unwire(received.to(device) if host else received, like)
+    return _launch(kind, issued, finish, async_op)
+
+
+def exchange_pieces(sends: dict, recvs: dict, device, async_op: bool = False,
+                    kind: str = "cross_mesh"):
+    """Point-to-point between arbitrary global ranks over the default group, for moves between
+    meshes (which share no mesh dim, so no mesh group spans both): this rank sends the 1-D
+    tensor ``sends[r]`` to each global rank ``r`` and receives ``recvs[r] = (numel, dtype)``
+    from each ``r``; returns ``{r: received 1-D tensor}``. Every pair must agree on one message
+    per direction (the cross-mesh plan guarantees it: every rank derives it from metadata). All
+    messages are issued at once (no ordering deadlock) and waited as one work, in slices, so a
+    failure posted by any rank stops the wait. A rank with nothing to send or receive returns at
+    once. Counted as ``kind`` with the bytes this rank sends."""
+    group = dist.distributed_c10d._get_default_group()
+    me = dist.get_rank()
+    works, keep, received = [], [], {}
+    started = time.perf_counter()
+    sent = 0
+    host = torch.device(device).type != "cpu" and "gloo" in group_backend(group)
+    # receives first, in peer order, then sends (the order within each side only has to match
+    # one message per pair, which it does)
+    for peer in sorted(recvs):
+        numel, dtype = recvs[peer]
+        like = torch.empty(0, dtype=dtype)
+        buf = _wire(torch.empty(numel, dtype=dtype, device="cpu" if host else device))
+        works.append(dist.irecv(buf, src=peer, group=group))
+        received[peer] = (buf, like)
+    for peer in sorted(sends):
+        if peer == me:
+            raise ValueError("exchange_pieces: a rank does not send to itself (copy locally)")
+        x = _wire(sends[peer])
+        x = x.cpu() if host else x
+        works.append(dist.isend(x, dst=peer, group=group))
+        keep.append(x)
+        sent += x.numel() * x.element_size()
+    if _ACTIVE:
+        _record(kind, sent, dist.get_world_size(), kind, tuple(sorted({me, *sends, *recvs})))
+    issued = (_Works(works, (keep, received), timed_wait_aborts=True), started, group) \
+        if works else None
+
+    def finish():
+        return {peer: _unwire(buf.to(device) if host else buf, like)
+                for peer, (buf, like) in received.items()}
     return _launch(kind, issued, finish, async_op)

@@ -33,10 +33,10 @@ class _DimGroup:
                  "coord_of_group_rank", "is_sorted")
 
     def __init__(self, group, ranks: tuple[int, ...], my_rank: int, group_order=None):
-        self.group = group
+        self.group = group  # None on a rank outside a sub-world mesh (it has no row)
         self.ranks = ranks
         self.size = len(ranks)
-        self.coordinate = ranks.index(my_rank)
+        self.coordinate = ranks.index(my_rank) if my_rank in ranks else None
         group_order = list(group_order) if group_order is not None else sorted(ranks)
         self.is_sorted = list(ranks) == group_order
         # group rank g holds the rank group_order[g]; its mesh coordinate is ranks.index(...)
@@ -148,6 +148,10 @@ class DeviceMesh:
             # an exception that ends this process is posted, so the other ranks stop at their next
             # collective naming it (by default: torchrun / torchtitan mains let it escape)
             _failures.install_excepthook()
+            # built by every rank of the world (the constructor, init_device_mesh), so the groups
+            # of a mesh over part of the world can be made collectively; from_group meshes are
+            # built by their members only
+            self._built_by_all = not self._given_groups
         else:
             _root._check_alive()  # a slice of a dead mesh must not quietly get the new groups
             self._root = _root
@@ -163,28 +167,24 @@ class DeviceMesh:
         self.mesh = self._compute_mesh_tensor()
         self._shape = tuple(self.mesh.shape)
         self.ndim = len(self._shape)
-        if _root is None:
-            if root_mesh.numel() != self._world_size and not self._given_groups:
-                # checked from the mesh alone so that every rank raises the same error: a
-                # member-only error would leave the members holding a mesh the others never built
-                raise ValueError(
-                    f"DeviceMesh {root_mesh.tolist()} holds {root_mesh.numel()} ranks but the world "
-                    f"size is {self._world_size}; a DeviceMesh must list every rank once (build one "
-                    "mesh over the whole world and slice it by name for sub-meshes)")
-            in_mesh = (root_mesh == self._rank).nonzero()
-            if in_mesh.numel() == 0:
-                raise ValueError(
-                    f"rank {self._rank} is not in the DeviceMesh {root_mesh.tolist()}: every rank that "
-                    "builds a mesh must be part of it (build one mesh over all "
-                    f"{self._world_size} ranks and slice it by name instead)")
+        # A mesh may cover part of the world (as torch's): every rank of the world builds it, and
+        # ranks outside it get no coordinate, hold empty pieces and take part in nothing
         self._coordinate = self._compute_coordinate()
         self._dim_groups = [self._make_dim_group(d) for d in range(self.ndim)]
         self._hash = hash((self.device_type, tuple(self.mesh.flatten().tolist()), self._shape, names))
 
     # ----------------------------------------------------------------- construction helpers
     def _root_coordinate(self) -> tuple[int, ...]:
+        """This rank's coordinate in the root mesh; a rank outside it sees the slices through
+        the root's first ranks (its own coordinate in them is None)."""
         idx = (self._root_mesh == self._rank).nonzero()
+        if idx.numel() == 0:
+            return (0,) * self._root_mesh.ndim
         return tuple(int(i) for i in idx[0])
+
+    def _is_member(self) -> bool:
+        """Whether this rank is part of the mesh (torch: ``_is_current_rank_part_of_mesh``)."""
+        return self._coordinate is not None
 
     def _permuted_root(self):
         """Root mesh permuted so the dims of this mesh come last, in order, then flattened."""
@@ -201,8 +201,10 @@ class DeviceMesh:
         shape = [math.prod(self._root_mesh.shape[d] for d in dims) for dims in self._root_dims]
         return sub.reshape(shape)
 
-    def _compute_coordinate(self) -> list[int]:
+    def _compute_coordinate(self) -> list[int] | None:
         idx = (self.mesh == self._rank).nonzero()
+        if idx.numel() == 0:
+            return None
         return [int(i) for i in idx[0]]
 
     def _make_dim_group(self, dim: int) -> _DimGroup:
@@ -211,11 +213,12 @@ class DeviceMesh:
         rows_tensor = self._root_mesh.permute(*others, *root_dims).reshape(
             -1, math.prod(self._root_mesh.shape[d] for d in root_dims))
         rows = tuple(tuple(int(r) for r in row) for row in rows_tensor.tolist())
-        my_row = next(row for row in rows if self._rank in row)
+        # a rank outside the mesh has no row: it sees the first (and is no member of its group)
+        my_row = next((row for row in rows if self._rank in row), rows[0])
         given = self._root._given_groups.get(root_dims)
         if given is not None:
             return _DimGroup(given[0], my_row, self._rank, given[1])
-        if self._root_mesh.numel() != self._world_size:
+        if self._root_mesh.numel() != self._world_size and not self._root._built_by_all:
             # a new group is made by every rank of the world, and ranks outside a sub-world mesh
             # never get here: they would leave the members waiting in new_group
             raise ValueError(
@@ -225,6 +228,8 @@ class DeviceMesh:
                 "every rank and pass them to DeviceMesh.from_group")
         group = _GROUPS.group_for_rows(rows, self._world_size,
                                        self._root._backend_overrides.get(root_dims))
+        if self._rank not in my_row:
+            group = None  # new_group hands non-members a placeholder: never talk over it
         return _DimGroup(group, my_row, self._rank)
 
     @classmethod
@@ -302,6 +307,9 @@ class DeviceMesh:
         return self._rank
 
     def get_local_rank(self, mesh_dim: int | str | None = None) -> int:
+        if self._coordinate is None:
+            raise RuntimeError(f"get_local_rank(): rank {self._rank} is not part of {self!r} "
+                               "(get_coordinate() is None); check get_coordinate() first")
         if mesh_dim is None:
             if self.ndim != 1:
                 raise ValueError(f"get_local_rank() needs mesh_dim on a {self.ndim}-D mesh "
@@ -309,8 +317,9 @@ class DeviceMesh:
             mesh_dim = 0
         return self._coordinate[self._dim_index(mesh_dim)]
 
-    def get_coordinate(self) -> list[int]:
-        return list(self._coordinate)
+    def get_coordinate(self) -> list[int] | None:
+        """This rank's index along each mesh dim; None on a rank outside the mesh."""
+        return None if self._coordinate is None else list(self._coordinate)
 
     def get_group(self, mesh_dim: int | str | None = None):
         self._check_alive()
@@ -706,7 +715,9 @@ def _backend_overrides(override, ndim: int, names, device_type: str) -> dict:
 def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
                      mesh_dim_names: Sequence[str] | None = None,
                      backend_override: dict | None = None) -> DeviceMesh:
-    """Build a DeviceMesh of ``mesh_shape`` over all ranks, in rank order.
+    """Build a DeviceMesh of ``mesh_shape`` over ranks ``0 .. prod(mesh_shape) - 1``, in rank
+    order (all ranks of the world, or the first of them: every rank calls it; the others get
+    ``get_coordinate() is None``).
 
     ``backend_override`` (torch's): ``{mesh dim index or name: backend | options | (backend,
     options)}`` -- that dim's groups are made with ``dist.new_group(backend=, pg_options=)``,
@@ -726,9 +737,10 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
                                  for s in mesh_shape):
         raise ValueError(f"mesh_shape must be a non-empty tuple of positive ints, got {mesh_shape}")
     world = dist.get_world_size()
-    if math.prod(mesh_shape) != world:
+    if math.prod(mesh_shape) > world:
         raise ValueError(f"mesh_shape {mesh_shape} holds {math.prod(mesh_shape)} ranks but the world "
-                         f"size is {world}; the product of the mesh shape must equal the world size")
+                         f"size is {world}; the product of the mesh shape must not exceed the "
+                         "world size")
     if mesh_dim_names is not None:
         mesh_dim_names = _validate_names(mesh_dim_names, len(mesh_shape))
     device_type = _validate_device_type(device_type)
@@ -737,6 +749,7 @@ def init_device_mesh(device_type: str, mesh_shape: Sequence[int], *,
         # one GPU per local rank unless the user already picked one
         local = int(__import__("os").environ.get("LOCAL_RANK", dist.get_rank() % torch.cuda.device_count()))
         torch.cuda.set_device(local)
-    mesh = torch.arange(world, dtype=torch.int64, device="cpu").reshape(mesh_shape)
+    # as torch's: ranks 0 .. prod(mesh_shape)-1; the others (if any) are outside the mesh
+    mesh = torch.arange(math.prod(mesh_shape), dtype=torch.int64, device="cpu").reshape(mesh_shape)
     return DeviceMesh(device_type, mesh, mesh_dim_names=mesh_dim_names,
                       _backend_overrides=overrides)

@@ -14,7 +14,8 @@ import torch.distributed as dist
 from .device_mesh import DeviceMesh
 from .placements import Partial, Placement, Replicate, Shard, _StridedShard
 from .redistribute import redistribute_local, redistribute_target
-from .spec import DTensorSpec, TensorMeta, contiguous_stride, normalize_placements
+from .spec import (DTensorSpec, TensorMeta, contiguous_stride, normalize_placements,
+                   outside_shape)
 from . import _caches, _dcp, debug
 from ._compile import boundary, register_constants
 
@@ -158,7 +159,8 @@ class DTensor(torch.Tensor):
         placements = normalize_placements(placements, mesh, local_tensor.ndim)
         if local_tensor.device.type != mesh.device_type and local_tensor.device.type != "meta":
             local_tensor = local_tensor.to(mesh.device_type)
-        if run_check:
+        outside = mesh.get_coordinate() is None
+        if run_check and not outside:
             with debug.outermost_cause("from_local(run_check)"):
                 shape = _checked_global_shape(local_tensor, mesh, placements, shape, stride=stride)
         if shape is None:
@@ -169,6 +171,8 @@ class DTensor(torch.Tensor):
         shape = torch.Size(shape)
         stride = tuple(stride) if stride is not None else contiguous_stride(shape)
         spec = DTensorSpec(mesh, placements, TensorMeta(shape, stride, local_tensor.dtype))
+        if outside:  # a rank outside the mesh holds an empty piece, whatever it was given
+            local_tensor = local_tensor.new_zeros(outside_shape(len(shape)))
         expected = spec.local_shape()
         if tuple(local_tensor.shape) != expected:
             raise ValueError(

@@ -292,7 +292,15 @@ class DTensorSpec:
         return self.local_shape_and_offset()[0]
 
 
+def outside_shape(ndim: int) -> tuple[int, ...]:
+    """The local shape of a DTensor on a rank outside its mesh, as torch's: an empty 1-D
+    tensor (a 0-d DTensor there holds a 0-d zero)."""
+    return () if ndim == 0 else (0,)
+
+
 def _piece(spec: DTensorSpec, coordinate) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    if coordinate is None:  # a rank outside the mesh holds nothing
+        return outside_shape(spec.ndim), (0,) * spec.ndim
     shape = list(spec.shape)
     offset = [0] * len(shape)
     mesh_shape = spec.mesh.shape
@@ -306,7 +314,9 @@ def _piece(spec: DTensorSpec, coordinate) -> tuple[tuple[int, ...], tuple[int, .
 
 def local_piece(tensor: torch.Tensor, spec: DTensorSpec, coordinate=None) -> torch.Tensor:
     """The view of a global ``tensor`` that the rank at ``coordinate`` holds under ``spec``
-    (ignoring Partial, which callers handle)."""
+    (ignoring Partial, which callers handle); empty on a rank outside the mesh."""
+    if coordinate is None and spec.mesh.get_coordinate() is None:
+        return tensor.new_zeros(outside_shape(spec.ndim))
     shape, offset = spec.local_shape_and_offset(coordinate)
     out = tensor
     for d, (size, start) in enumerate(zip(shape, offset)):

@@ -81,6 +81,11 @@ class Decompose:
 # live forever and OpOverload.__hash__ is a Python method.
 SIGN_KEYED: set = set()
 
+# ops whose result is well defined over inputs on different meshes ({op: fn(*args, **kwargs)}
+# that runs it per mesh): the norm family of foreach ops, each tensor's result on its own mesh.
+# Every other op with inputs on two meshes is an error (the dispatcher's _mesh_of).
+CROSS_MESH_OPS: dict = {}
+
 
 def register_rule(*ops, scalars_by_sign: bool = False):
     """Decorator: register ``rule`` for each aten op overload (or every overload of a packet).

@@ -22,8 +22,8 @@ from ..redistribute import redistribute_local
 from .. import collectives as C
 from ..placements import Replicate
 from ..spec import DTensorSpec
-from ._registry import (Decompose, FullStrategy, OpCall, get_rule, key_scalars_by_value,
-                        register_rule)
+from ._registry import (CROSS_MESH_OPS, Decompose, FullStrategy, OpCall, get_rule,
+                        key_scalars_by_value, register_rule)
 from ._expansion import expand_strategies
 from .pointwise import reads_number_signs_only
 
@@ -344,10 +344,14 @@ def _batched(tensors, what, ord_, dtype):
         reduce_op = "max" if what == "max" else {"sum": "sum", "max": "max", "min": "min"}[
             _norm_kind(ord_)]
         v = _local_value(what, x, ord_, acc)
+        coord = spec.mesh.get_coordinate()
+        if coord is None:  # outside this tensor's mesh: an empty result, no collective
+            results[k] = DTensor.from_local(torch.zeros((), dtype=out_dtype, device=x.device),
+                                            spec.mesh, [Replicate()] * spec.mesh.ndim)
+            continue
         if reduce_op == "sum":
             # a sum over ranks must count a tensor's value once per piece: on mesh dims that do
             # not shard it, only coordinate 0 contributes
-            coord = spec.mesh.get_coordinate()
             if any(not p.is_shard() and coord[i] != 0 for i, p in enumerate(spec.placements)):
                 v = torch.zeros_like(v)
         groups.setdefault((spec.mesh, acc, reduce_op), []).append((k, v, out_dtype))
@@ -477,6 +481,9 @@ def _register_all():
                 # into ops that read the runtime values: cache by sign (foreach_rule withdraws
                 # this for an element rule that reads values)
                 register_rule(overload, scalars_by_sign=True)(foreach_rule)
+                info = _info(overload)
+                if info.base in _REDUCING:  # per-tensor results: grouped by mesh in _batched
+                    CROSS_MESH_OPS[overload] = _reducing_decomposition(overload, info)
     for name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"):
         packet = getattr(aten, name, None)
         if packet is not None:

@@ -9,6 +9,9 @@ example's own: ``examples/train_llama.py``)::
 model) or a JSON file with ``LlamaConfig`` fields (or Hugging Face names: ``hidden_size``,
 ``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size``,
 ``vocab_size``, ``rope_theta``, ``rms_norm_eps``).
+
+``python -m dtensor_lite.plan relayout ...`` sizes a whole-model relayout instead (see
+``relayout_cli.py``).
 """
 from __future__ import annotations
 
@@ -89,6 +92,10 @@ def parse_args(argv=None):
 
 
 def main(argv=None):
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["relayout"]:  # sizing a whole-model relayout (relayout_cli.py)
+        from .relayout_cli import main as relayout_main
+        return relayout_main(argv[1:])
     args = parse_args(argv)
     _, train_llama = _examples()
     model = model_config(args.model)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..spec import DTensorSpec, normalize_placements
+from ..spec import DTensorSpec, normalize_placements, outside_shape
 from .executor import run_plan
 from .planner import plan_redistribute
 
@@ -17,6 +17,12 @@ def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec,
     same tensor when nothing changes, else a new one; with ``async_op`` maybe a ``Pending``."""
     if src == dst:
         return local
+    if dst.mesh is src.mesh or dst.mesh == src.mesh:
+        if src.mesh._coordinate is None:  # outside the mesh: nothing held, nothing moved
+            return local.new_zeros(outside_shape(dst.ndim))
+    else:
+        from .cross_mesh import redistribute_across_meshes
+        return redistribute_across_meshes(local, src, dst)
     if src.tensor_meta != dst.tensor_meta:  # e.g. a gradient of another dtype than its input
         src = DTensorSpec(src.mesh, src.placements, dst.tensor_meta, src.shard_order)
     return run_plan(local, plan_redistribute(src, dst), async_op)
@@ -27,10 +33,10 @@ def redistribute_target(src: DTensorSpec, device_mesh, placements) -> DTensorSpe
     at, with the user's arguments checked."""
     mesh = src.mesh if device_mesh is None else device_mesh
     if mesh != src.mesh:
-        raise ValueError(
-            f"redistribute between different meshes is not supported: the DTensor lives on "
-            f"{src.mesh} and the target is {mesh}. Use full_tensor() and distribute_tensor() "
-            "onto the new mesh, or DCP to reshard a checkpoint")
+        from .cross_mesh import check_meshes
+        check_meshes(src.mesh, mesh)
+    else:
+        mesh = src.mesh
     if placements is None:
         raise ValueError("redistribute needs placements, e.g. [Replicate()] or [Shard(0)]")
     placements = normalize_placements(placements, mesh, src.ndim)

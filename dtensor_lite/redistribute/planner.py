@@ -270,6 +270,12 @@ def explain_redistribute(dtensor, device_mesh=None, placements=None, *, print_pl
     from .local import redistribute_target  # local imports this module
     src = dtensor._spec
     dst = redistribute_target(src, device_mesh, placements)
+    if dst.mesh != src.mesh:  # onto another mesh: the per-rank-pair boxes (cross_mesh.py)
+        from .cross_mesh import plan_cross_mesh, reduced_source
+        plan = plan_cross_mesh(reduced_source(src), dst)
+        if print_plan:
+            print(plan)
+        return plan
     plan = plan_redistribute(src, dst)
     if print_plan:
         from rich.console import Console

@@ -1,0 +1,121 @@
+"""``python -m dtensor_lite.plan relayout``: size a whole-model relayout at scale on one CPU --
+bytes per rank pair and per link kind, buckets, peak extra memory, a time estimate::
+
+    python -m dtensor_lite.plan relayout --model llama3-70b --src dp_shard=256 \\
+        --dst rep=32,tp=8 --dtype bf16                      # FSDP-256 -> 32 TP-8 replicas
+    python -m dtensor_lite.plan relayout --model llama3-8b --src dp_shard=64 \\
+        --dst tp=8 --dst-first-rank 64 --dtype bf16         # 64 FSDP ranks -> 8 other ranks
+
+Meshes: ``--src`` over ranks ``0 ..``, ``--dst`` over ranks ``--dst-first-rank ..`` (default 0:
+colocated). Dims: ``dp_shard`` (FSDP: Shard(0), nested outside TP's shards as fully_shard does),
+``tp`` (the example Llama's TP plan: column-parallel weights Shard(0), row-parallel Shard(1),
+embedding Shard(0), norms replicated), ``rep`` (replicas: each holds the whole layout). Only
+metadata is built (a "fake" process group, no tensor data).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+
+import torch
+
+from .cli import add_cost_args, cost_models
+from .fake_world import fake_world
+
+_COLWISE = ("wq", "wk", "wv", "w1", "w3", "output")
+_ROWWISE = ("wo", "w2")
+
+
+def _dims(text: str) -> dict:
+    out = {}
+    for part in text.split(","):
+        name, _, size = part.partition("=")
+        if name not in ("dp_shard", "tp", "rep") or not size.isdigit() or int(size) < 1:
+            raise SystemExit(f"mesh {text!r}: expected dims dp_shard=N, tp=N, rep=N")
+        out[name] = int(size)
+    return out
+
+
+def _tp_dim(name: str):
+    leaf = name.split(".")[-2] if "." in name else name
+    if name.startswith("tok_embeddings"):
+        return 0
+    if leaf in _COLWISE:
+        return 0
+    if leaf in _ROWWISE:
+        return 1
+    return None  # norms: replicated
+
+
+def _specs(shapes: dict, dims: dict, first_rank: int, dtype):
+    """{name: DTensorSpec} of the example Llama laid out on a mesh of ``dims``."""
+    from dtensor_lite import DeviceMesh, Replicate, Shard, _StridedShard
+    from dtensor_lite.spec import DTensorSpec, TensorMeta, contiguous_stride
+    names = [n for n in ("rep", "dp_shard", "tp") if n in dims]
+    sizes = [dims[n] for n in names]
+    ranks = torch.arange(first_rank, first_rank + math.prod(sizes)).reshape(sizes)
+    mesh = DeviceMesh("cpu", ranks, mesh_dim_names=tuple(names))
+    out = {}
+    for name, shape in shapes.items():
+        tp_dim = _tp_dim(name)
+        placements = []
+        for n in names:
+            if n == "tp" and tp_dim is not None:
+                placements.append(Shard(tp_dim))
+            elif n == "dp_shard":
+                nested = "tp" in dims and tp_dim == 0
+                placements.append(_StridedShard(0, split_factor=dims["tp"]) if nested
+                                  else Shard(0))
+            else:
+                placements.append(Replicate())
+        meta = TensorMeta(torch.Size(shape), contiguous_stride(shape), dtype)
+        out[name] = DTensorSpec(mesh, placements, meta)
+    return out
+
+
+def main(argv=None):
+    from . import __main__ as plan_main
+    ap = argparse.ArgumentParser(prog="python -m dtensor_lite.plan relayout",
+                                 description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", required=True)
+    ap.add_argument("--src", required=True, help="source mesh dims, e.g. dp_shard=256")
+    ap.add_argument("--dst", required=True, help="destination mesh dims, e.g. rep=32,tp=8")
+    ap.add_argument("--dst-first-rank", type=int, default=0)
+    ap.add_argument("--src-dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16", help="wire and "
+                    "destination dtype")
+    ap.add_argument("--bucket-mb", type=float, default=1024.0)
+    add_cost_args(ap)
+    args = ap.parse_args(argv)
+    cfg = plan_main.model_config(args.model)
+    llama, _ = plan_main._examples()
+    with torch.device("meta"):
+        shapes = {n: tuple(p.shape) for n, p in llama.Llama(cfg).named_parameters()}
+    src_dims, dst_dims = _dims(args.src), _dims(args.dst)
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
+    world = max(math.prod(src_dims.values()), args.dst_first_rank + math.prod(dst_dims.values()))
+    from dtensor_lite.relayout import plan_relayout
+    link, _ = cost_models(args)
+    with fake_world(world):
+        src = _specs(shapes, src_dims, 0, dtypes[args.src_dtype])
+        dst = _specs(shapes, dst_dims, args.dst_first_rank, dtypes[args.dtype])
+        plan = plan_relayout(src, dst, dtype=dtypes[args.dtype],
+                             bucket_bytes=int(args.bucket_mb * 2**20))
+        links = plan.link_bytes(args.gpus_per_node)
+        seconds = plan.estimate_seconds(link)
+        if args.json:
+            print(json.dumps({"world": world, "link_bytes": links,
+                              "total_bytes": sum(plan.pair_bytes().values()), "estimate_seconds": seconds,
+                              "buckets": len(plan.buckets),
+                              "busiest_sender_bytes": max(plan.bytes_sent().values()),
+                              "peak_extra_bytes": max(plan.peak_extra_bytes().values())},
+                             indent=2))
+            return
+        print(f"relayout of {args.model} ({sum(math.prod(s) for s in shapes.values()) / 1e9:.2f}"
+              f"B parameters): {args.src} ({args.src_dtype}) -> {args.dst} ({args.dtype}) from "
+              f"rank {args.dst_first_rank}; world {world}")
+        print(plan.report())
+        print("bytes per link kind: " + ", ".join(f"{k} {v / 2**30:.2f} GiB"
+                                                  for k, v in links.items()))
+        print(f"time estimate (busiest rank, link model of plan/cost.py): {seconds:.3f} s")

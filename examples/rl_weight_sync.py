@@ -1,0 +1,239 @@
+"""RL weight sync: a trainer trains the example Llama with FSDP; every ``--sync-every`` steps its
+weights are relaid into a tensor-parallel copy used for greedy generation (the rollout engine),
+with ``dtensor_lite.relayout`` -- and, for comparison, with the two ways people write it by hand.
+
+    torchrun --standalone --nproc-per-node 4 examples/rl_weight_sync.py                # colocated
+    torchrun --standalone --nproc-per-node 6 examples/rl_weight_sync.py --rollout 2    # disjoint
+
+Colocated: the trainer is FSDP over all ranks, the engine two TP-2 replicas on the same ranks.
+Disjoint (``--rollout R``): the trainer is FSDP on the first ranks, the engine TP-R on the last R.
+The engine generates greedily in bf16 (``--dtype float32`` for fp32); the tokens are checked
+against one process holding the trained weights. Per sync it prints bytes sent by the busiest
+rank, wall time and peak extra memory per rank, beside:
+
+* ``full_tensor``: per parameter ``full_tensor()`` on the trainer, then each engine rank slices
+  its piece (colocated) -- every trainer rank holds every parameter whole once;
+* ``rank0_broadcast``: rank 0 gathers each parameter and sends it whole to every engine rank.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+if __package__ in (None, ""):  # run as a script: make the repo importable
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dtensor_lite import (DeviceMesh, DTensor, Replicate, distribute_tensor,  # noqa: E402
+                          init_device_mesh)
+from dtensor_lite.debug import CommDebugMode, MemoryTracker  # noqa: E402
+from dtensor_lite.relayout import plan_relayout  # noqa: E402
+from examples.llama import Llama, LlamaConfig, loss_fn  # noqa: E402
+from examples.llama_parallel import parallelize_llama  # noqa: E402
+from fsdp import fully_shard  # noqa: E402
+
+
+def build(args):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    cfg = LlamaConfig(vocab_size=256, dim=args.dim, n_layers=args.layers, n_heads=4,
+                      ffn_dim=args.ffn or 2 * args.dim, max_seq_len=64)
+    torch.manual_seed(0)
+    trainer = Llama(cfg)
+    if args.rollout:  # disjoint: trainer ranks first, the engine on the last ``rollout`` ranks
+        trainer_mesh = DeviceMesh("cpu", list(range(world - args.rollout)))
+        engine_mesh = DeviceMesh("cpu", list(range(world - args.rollout, world)))
+    else:             # colocated: FSDP over all, TP-2 replicas on the same ranks
+        trainer_mesh = init_device_mesh("cpu", (world,))
+        engine_mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("rep", "tp"))["tp"]
+    if trainer_mesh.get_coordinate() is not None:
+        fully_shard(trainer, mesh=trainer_mesh)
+        trainer_tensors = dict(trainer.named_parameters())
+    else:  # engine-only ranks hold no trainer pieces: empty DTensors of the trainer's layout
+        from dtensor_lite import Shard
+        trainer_tensors = {n: distribute_tensor(p.detach(), trainer_mesh, [Shard(0)])
+                           for n, p in trainer.named_parameters()}
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(args.torch_dtype)  # no fp32 copy of the engine on the way
+    try:
+        engine = Llama(cfg).to(args.torch_dtype)
+    finally:
+        torch.set_default_dtype(default)
+    parallelize_llama(engine, engine_mesh)
+    return cfg, trainer, trainer_tensors, trainer_mesh, engine, engine_mesh
+
+
+def train_steps(trainer, opt, steps, seed):
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        tokens = torch.randint(0, 256, (2, 17), generator=g)
+        loss = loss_fn(trainer(tokens[:, :-1]), tokens[:, 1:])
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+
+
+@torch.no_grad()
+def check_weights(engine, engine_mesh, trainer_tensors, dtype):
+    """Every engine weight equals the trained one cast to ``dtype``, bit for bit (gathered
+    outside the measurement: a check, not part of a sync)."""
+    for name, p in engine.named_parameters():
+        trained = trainer_tensors[name].redistribute(
+            engine_mesh, [Replicate()] * engine_mesh.ndim).to_local()
+        if engine_mesh.get_coordinate() is not None:
+            mine = p.full_tensor() if isinstance(p, DTensor) else p
+            assert torch.equal(mine, trained.to(dtype)), name
+
+
+@torch.no_grad()
+def generate(model, prompt, n):
+    tokens = prompt.clone()
+    for _ in range(n):
+        logits = model(tokens)
+        if isinstance(logits, DTensor):
+            logits = logits.full_tensor()
+        if logits.numel() == 0:  # a rank outside the engine
+            return None
+        tokens = torch.cat([tokens, logits[:, -1].float().argmax(-1, keepdim=True)], dim=1)
+    return tokens[:, prompt.shape[1]:]
+
+
+def measured(fn, model):
+    """(bytes this rank sent, seconds, peak extra bytes) of ``fn()``."""
+    dist.barrier()
+    with CommDebugMode() as comm, MemoryTracker(model) as mem:
+        start = time.perf_counter()
+        extra = fn() or 0
+        seconds = time.perf_counter() - start
+    return sum(comm.get_comm_bytes().values()) + extra, seconds, mem.peak_bytes
+
+
+def sync_full_tensor(trainer_tensors, engine):
+    """By hand: each parameter whole on the trainer ranks, each engine rank keeps its piece."""
+    for name, p in engine.named_parameters():
+        whole = trainer_tensors[name].full_tensor()
+        if isinstance(p, DTensor):
+            p._local_tensor.copy_(distribute_tensor(whole, p.device_mesh, p.placements,
+                                                    src_data_rank=None).to_local())
+        else:
+            p.data.copy_(whole)
+
+
+def sync_rank0_broadcast(trainer_tensors, engine, engine_ranks):
+    """By hand: rank 0 gathers each parameter and sends it whole to every engine rank."""
+    rank, sent = dist.get_rank(), 0
+    for name, p in engine.named_parameters():
+        whole = trainer_tensors[name].full_tensor() if trainer_tensors[name]._spec.mesh.\
+            get_coordinate() is not None else None
+        buf = whole.to(p.dtype) if rank == 0 else torch.empty(p.shape, dtype=p.dtype)
+        for r in engine_ranks:
+            if r == 0:
+                continue
+            if rank == 0:
+                dist.send(buf, r)
+                sent += buf.numel() * buf.element_size()
+            elif rank == r:
+                dist.recv(buf, 0)
+        if rank in engine_ranks:
+            if isinstance(p, DTensor):
+                p._local_tensor.copy_(distribute_tensor(buf, p.device_mesh, p.placements,
+                                                        src_data_rank=None).to_local())
+            else:
+                p.data.copy_(buf)
+    return sent
+
+
+def parse_args(argv=None):
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--rollout", type=int, default=0, help="engine ranks (0: colocated)")
+    ap.add_argument("--syncs", type=int, default=2)
+    ap.add_argument("--sync-every", type=int, default=3)
+    ap.add_argument("--dim", type=int, default=64)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--ffn", type=int, default=0, help="feed-forward width (0: 2 x dim)")
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--bucket-mb", type=float, default=1.0)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    args.torch_dtype = getattr(torch, args.dtype)
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    standalone = not dist.is_initialized()
+    if standalone:
+        dist.init_process_group("gloo")
+    rows = run(args)
+    if dist.get_rank() == 0 and args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    if standalone:
+        dist.destroy_process_group()
+
+
+def run(args) -> list:
+    """Train, sync ``args.syncs`` times by every method, check the engine's tokens; on rank 0
+    print and return one row per (sync, method)."""
+    rank = dist.get_rank()
+    cfg, trainer, trainer_tensors, trainer_mesh, engine, engine_mesh = build(args)
+    in_trainer = trainer_mesh.get_coordinate() is not None
+    opt = torch.optim.AdamW(trainer.parameters(), lr=1e-2) if in_trainer else None
+    engine_ranks = sorted({int(r) for r in engine_mesh._root_mesh.flatten().tolist()}) \
+        if not args.rollout else list(range(dist.get_world_size() - args.rollout,
+                                            dist.get_world_size()))
+    plan = plan_relayout(trainer_tensors, engine, dtype=args.torch_dtype,
+                         bucket_bytes=int(args.bucket_mb * 2**20))
+    if rank == 0:
+        print(plan.report().splitlines()[0])
+    rows = []
+    prompt = torch.arange(5).reshape(1, 5) + 1
+    for sync in range(args.syncs):
+        if in_trainer:
+            train_steps(trainer, opt, args.sync_every, seed=sync)
+        results = {"relayout": measured(lambda: plan.run(trainer_tensors, engine), engine)}
+        ours = generate(engine, prompt, 8) if engine_mesh.get_coordinate() is not None else None
+        check_weights(engine, engine_mesh, trainer_tensors, args.torch_dtype)
+        if not args.rollout:
+            results["full_tensor"] = measured(lambda: sync_full_tensor(trainer_tensors, engine),
+                                              engine)
+        results["rank0_broadcast"] = measured(
+            lambda: sync_rank0_broadcast(trainer_tensors, engine, engine_ranks), engine)
+        # the oracle: one process with the trained weights (gathered outside the measurement)
+        full = {n: (t.full_tensor() if t._spec.mesh.get_coordinate() is not None else None)
+                for n, t in trainer_tensors.items()}
+        everyone = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, {"tokens": ours.tolist() if ours is not None else None,
+                                          "results": results})
+        if rank == 0:
+            oracle = Llama(cfg).to(args.torch_dtype)
+            oracle.load_state_dict({n: w.to(args.torch_dtype) for n, w in full.items()})
+            expected = generate(oracle, prompt, 8).tolist()
+            got = [e["tokens"] for r, e in enumerate(everyone) if r in engine_ranks]
+            if args.torch_dtype == torch.float32:
+                assert all(t == expected for t in got), (got, expected)
+                print(f"sync {sync}: engine tokens {expected[0]} == one process's")
+            else:  # the weights are exact (checked below); TP's bf16 partial sums round
+                same = all(t == expected for t in got)  # otherwise than one process's matmul
+                print(f"sync {sync}: engine tokens {got[0][0]} "
+                      f"{'==' if same else 'vs'} one process's {expected[0]} (bf16)")
+            del oracle
+            for name in results:
+                sent = [e["results"][name][0] for e in everyone]
+                secs = max(e["results"][name][1] for e in everyone)
+                peak = [e["results"][name][2] for e in everyone]
+                row = {"sync": sync, "method": name, "busiest_rank_bytes": max(sent),
+                       "seconds": secs, "peak_extra_bytes_max": max(peak),
+                       "bytes_per_rank": sent, "peak_per_rank": peak}
+                rows.append(row)
+                print(f"  {name:>16}: busiest rank sent {max(sent) / 2**20:7.3f} MiB, "
+                      f"{secs * 1e3:8.1f} ms, peak extra {max(peak) / 2**20:7.3f} MiB")
+        del full
+    return rows
+
+
+if __name__ == "__main__":
+    main()
