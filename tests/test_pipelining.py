@@ -3,8 +3,9 @@
 Every rank trains its stages of a tiny Llama (examples/llama_pipeline.py) under a schedule and,
 beside it, the whole model on the whole batch in plain torch (the oracle). fp32 throughout: the
 pipeline sums the micro-batches' gradients and divides by their count where one process averages
-over the batch once, a few ulps per step, so losses agree to 1e-5 relative and gradients to
-rtol 1e-5 (atol 1e-7: entries that are sums of cancelling terms) after the AdamW steps.
+over the batch once (and TP splits the matmuls' sums), a few ulps per step. Losses agree to 1e-5
+relative; gradients to rtol 1e-4 / atol 1e-6 as in test_llama_e2e: AdamW divides by sqrt(v), so
+last-bit differences in near-zero gradients grow over the steps (with SGD they stay at 1e-5).
 """
 from __future__ import annotations
 
@@ -76,11 +77,12 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def parity(schedule, pp, v, m, dp=1, tp=1, layers=None, sp=False, steps=2):
+def parity(schedule, pp, v, m, dp=1, tp=1, layers=None, sp=False, steps=5, optim="adamw"):
     mesh, sched, mods, oracle = build(schedule, pp, v, m, dp, tp, layers, sp)
     params = [p for mod in mods for p in mod.parameters()]
-    opt = torch.optim.AdamW(params, lr=LR)
-    ref_opt = torch.optim.AdamW(oracle.parameters(), lr=LR)
+    make = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[optim]
+    opt = make(params, lr=LR) if params else None   # a stage may hold no layer
+    ref_opt = make(oracle.parameters(), lr=LR)
     ref_params = dict(oracle.named_parameters())
     dp_rank = mesh["dp_shard"].get_local_rank() if dp > 1 else 0
     worst = 0.0
@@ -101,10 +103,12 @@ def parity(schedule, pp, v, m, dp=1, tp=1, layers=None, sp=False, steps=2):
             worst = max(worst, rel)
         for mod in mods:
             for name, p in mod.named_parameters():
-                torch.testing.assert_close(_full(p.grad), ref_params[name].grad, rtol=1e-5,
-                                           atol=1e-7, msg=lambda e: f"step {step} {name}: {e}")
-        opt.step()
-        opt.zero_grad()
+                ref = ref_params[name].grad
+                torch.testing.assert_close(_full(p.grad), ref, rtol=1e-4, atol=1e-6,
+                                           msg=lambda e: f"step {step} {name}: {e}")
+        if opt is not None:
+            opt.step()
+            opt.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
     return worst
@@ -121,3 +125,33 @@ def test_parity_pp2(schedule):
     v = 2 if schedule in MULTI else 1
     layers = [2, 1, 0, 2][:2 * v] if v == 2 else [2, 1]
     parity(schedule, 2, v, 4, layers=layers)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@distributed(world_size=4)
+def test_parity_pp4(schedule):
+    v = 2 if schedule in MULTI else 1
+    layers = [1, 2, 0, 1, 1, 0, 2, 1][:4 * v]
+    parity(schedule, 4, v, 4, layers=layers)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@distributed(world_size=4)
+def test_parity_pp_fsdp(schedule):
+    v = 2 if schedule in MULTI else 1
+    parity(schedule, 2, v, 2, dp=2)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@distributed(world_size=4)
+def test_parity_pp_tp(schedule):
+    # sequence parallel: the residual stream crosses stages as a Shard(1) DTensor
+    v = 2 if schedule in MULTI else 1
+    parity(schedule, 2, v, 2, tp=2, sp=True)
+
+
+@pytest.mark.parametrize("schedule", SCHEDULES)
+@distributed(world_size=8, timeout=300)
+def test_parity_pp_fsdp_tp(schedule):
+    v = 2 if schedule in MULTI else 1
+    parity(schedule, 2, v, 2, dp=2, tp=2, sp=True)

@@ -10,7 +10,8 @@ then deliver exactly the gradients the full backward would have given the parame
   received during the input half;
 * ``W`` re-enters each boundary node alone, with what it received, asking only for its skipped
   edges (one ``autograd.grad`` per node: a node reached from another boundary node's inputs
-  would otherwise be counted twice), then runs one backward from those edges down to the
+  would otherwise be counted twice; a node whose child other boundary nodes feed too is called
+  directly instead, since autograd would walk every path into that child), then runs one backward from those edges down to the
   parameters -- through FSDP's unsharded-parameter node, whose backward thus runs once per
   micro-batch as in a full backward.
 
@@ -29,6 +30,16 @@ __all__ = ["SplitBackward"]
 
 def _children(node):
     return [(c, nr) for c, nr in node.next_functions if c is not None]
+
+
+def _all_nodes(roots) -> set:
+    seen, stack = set(), list(roots)
+    while stack:
+        node = stack.pop()
+        if node not in seen:
+            seen.add(node)
+            stack.extend(c for c, _ in _children(node) if c not in seen)
+    return seen
 
 
 def _reaching(roots, targets: set) -> set:
@@ -52,18 +63,25 @@ def _reaching(roots, targets: set) -> set:
     return reach
 
 
+def _sum_to(grad, node, nr):
+    if grad is None:
+        return None
+    shape = tuple(node._input_metadata[nr].shape)
+    return grad if tuple(grad.shape) == shape else grad.sum_to_size(shape)
+
+
 class SplitBackward:
     """One micro-batch's backward of one stage, run as ``input_grads()`` then ``weight_grads()``."""
 
-    def __init__(self, outputs: list[torch.Tensor], grads: list, inputs: list[torch.Tensor],
-                 params: list[torch.Tensor]):
+    def __init__(self, outputs: list[torch.Tensor], grads: list, inputs: list[torch.Tensor]):
         self.outputs, self.grads = outputs, grads
         self.inputs = [x for x in inputs if x.requires_grad]
-        self.params = [p for p in params if p.requires_grad]
         self.captured: dict = {}
         self.boundary: dict = {}
         self.w_roots: list = []
         self.whole = False   # W is one backward from the outputs to the parameters
+        self.shared: set = set()   # child nodes several boundary nodes feed
+        self.leaves: list = []     # the parameters: every other leaf the outputs reach
 
     def input_grads(self) -> list:
         """Gradients of ``inputs`` (None where one needs none); keeps what ``W`` needs."""
@@ -72,7 +90,11 @@ class SplitBackward:
             return []
         roots = [o.grad_fn for o in self.outputs if o.grad_fn is not None]
         input_nodes = {get_gradient_edge(x).node for x in self.inputs}
-        param_nodes = {get_gradient_edge(p).node for p in self.params}
+        # the parameters are the graph's other leaves: the module's attributes may be stand-ins
+        # by now (fsdp publishes fresh unsharded tensors when backward reaches a module)
+        param_nodes = {n for n in _all_nodes(roots)
+                       if hasattr(n, "variable") and n not in input_nodes}
+        self.leaves = [n.variable for n in param_nodes]
         on_input_path = _reaching(roots, input_nodes)
         to_params = _reaching(roots, param_nodes)
         handles = []
@@ -83,6 +105,8 @@ class SplitBackward:
                 self.boundary[node] = skipped
                 handles.append(node.register_prehook(self._recorder(node)))
         edges = [e for skipped in self.boundary.values() for e in skipped]
+        fed = [c for skipped in self.boundary.values() for c in {c for c, _ in skipped}]
+        self.shared = {c for c in fed if fed.count(c) > 1}
         if len(edges) != len(set(edges)):
             # a parameter used twice on the input path (tied weights): re-entering one use's
             # node would also reach the other's -- run the whole weight backward instead
@@ -108,8 +132,8 @@ class SplitBackward:
     def weight_grads(self) -> None:
         """Accumulate the parameters' gradients (into ``.grad``, through any FSDP hooks)."""
         if self.whole:
-            torch.autograd.backward(self.outputs, self.grads, inputs=self.params)
-            self.outputs = self.grads = self.inputs = self.w_roots = None
+            torch.autograd.backward(self.outputs, self.grads, inputs=self.leaves)
+            self.outputs = self.grads = self.inputs = self.w_roots = self.leaves = None
             return
         totals: dict = {}
         for node, grad_outputs in self.captured.items():
@@ -118,10 +142,19 @@ class SplitBackward:
                      if g is not None]
             if not seeds:
                 continue
-            got = torch.autograd.grad([e for e, _ in seeds], [GradientEdge(c, nr)
-                                                              for c, nr in edges],
-                                      [g for _, g in seeds], retain_graph=True,
-                                      allow_unused=True)
+            if any(c in self.shared for c, _ in edges) and len(seeds) == len(grad_outputs):
+                # a child other boundary nodes feed too (fsdp's unsharded-parameter node, fed
+                # by every norm weight): autograd would walk every path into it, so run this
+                # node by hand -- all its outputs (for a norm's multiply, one more multiply)
+                everything = node(*grad_outputs)
+                position = {e: i for i, e in enumerate(node.next_functions)}
+                # the engine would sum a broadcast operand's gradient to its shape: so do we
+                got = [_sum_to(everything[position[e]], *e) for e in edges]
+            else:
+                got = torch.autograd.grad([e for e, _ in seeds],
+                                          [GradientEdge(c, nr) for c, nr in edges],
+                                          [g for _, g in seeds], retain_graph=True,
+                                          allow_unused=True)
             for edge, g in zip(edges, got):
                 if g is not None:
                     totals[edge] = g if edge not in totals else totals[edge] + g
@@ -130,4 +163,4 @@ class SplitBackward:
         self.captured = self.boundary = None
         if roots:
             torch.autograd.backward([r for r, _ in roots], [g for _, g in roots])
-        self.outputs = self.grads = self.inputs = self.w_roots = None
+        self.outputs = self.grads = self.inputs = self.w_roots = self.leaves = None

@@ -241,8 +241,7 @@ class PipelineStage:
                      if g is not None and o.requires_grad]
         inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
         if split:
-            sb = SplitBackward([o for o, _ in pairs], [g for _, g in pairs], inputs,
-                               list(self.submod.parameters()))
+            sb = SplitBackward([o for o, _ in pairs], [g for _, g in pairs], inputs)
             grads = iter(sb.input_grads())
             self._split[mb] = sb
             return [next(grads) if isinstance(a, torch.Tensor) and a.requires_grad else None
