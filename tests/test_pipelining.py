@@ -155,3 +155,118 @@ def test_parity_pp_tp(schedule):
 def test_parity_pp_fsdp_tp(schedule):
     v = 2 if schedule in MULTI else 1
     parity(schedule, 2, v, 2, dp=2, tp=2, sp=True)
+
+
+# ============================================================================ communication
+def _fsdp_groups(mods) -> int:
+    return sum(1 for mod in mods for m in mod.modules()
+               if hasattr(m, "_get_fsdp_state") and m._get_fsdp_state().group is not None)
+
+
+def step_comm(schedule, v, m, reshard=None):
+    """This rank's collectives in one (second) step of pp=2 x dp_shard=2: {(mesh dim, kind): n}."""
+    mesh, sched, mods, _ = build(schedule, 2, v, m, dp=2, reshard=reshard)
+    tokens, targets = _batch(0, 2 * m)
+    sched.step(tokens, target=targets)       # the first step also agrees shapes (pp_meta)
+    with CommDebugMode() as comm:
+        sched.step(tokens, target=targets)
+    counts: dict = {}
+    for kind, _, _, _, dim in comm.calls:
+        counts[(dim, kind)] = counts.get((dim, kind), 0) + 1
+    return counts, _fsdp_groups(mods), sched.comm_counts()
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleavedzerobubble"])
+@distributed(world_size=4)
+def test_fsdp_gathers_and_reduces_once_per_step(schedule):
+    """m = 4 micro-batches: each fsdp group all-gathers once and reduce-scatters once per step
+    (default reshard_after_forward), and the pp sends / receives are the schedule's count."""
+    v = 2 if schedule in MULTI else 1
+    counts, groups, expected = step_comm(schedule, v, 4)
+    assert groups >= v
+    assert counts.get(("dp_shard", "all_gather"), 0) == groups, counts
+    assert counts.get(("dp_shard", "reduce_scatter"), 0) == groups, counts
+    assert counts.get(("pp", "send"), 0) == expected["send"] > 0, (counts, expected)
+    assert counts.get(("pp", "recv"), 0) == expected["recv"] > 0, (counts, expected)
+    assert ("pp", "pp_meta") not in counts   # shapes were agreed once, at the first step
+    # reshard_after_forward=True given explicitly is honoured: gathers again per micro-batch
+    counts, groups, _ = step_comm(schedule, v, 4, reshard=True)
+    assert counts[("dp_shard", "all_gather")] > groups, counts
+    assert counts[("dp_shard", "reduce_scatter")] == groups, counts
+
+
+# ============================================================================ errors
+def _outcome(fn):
+    try:
+        fn()
+        return "ok", ""
+    except Exception as e:  # noqa: BLE001 - the outcome is the test's subject
+        return type(e).__name__, str(e)
+
+
+def _stage_and_mesh(num_stages=2, **kw):
+    mesh = _mesh(2, 1, 1)
+    rank = mesh["pp"].get_local_rank()
+    return mesh, PipelineStage(torch.nn.Linear(4, 4), rank, num_stages, "cpu", group=mesh["pp"],
+                               **kw)
+
+
+@distributed(world_size=2)
+def test_errors_from_global_metadata_are_raised_on_every_rank():
+    from dtensor_lite.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
+    kind, msg = _outcome(lambda: _stage_and_mesh(num_stages=3))
+    assert kind == "ValueError" and "3 stages do not divide over the 2 pp ranks" in msg, msg
+    mesh, stage = _stage_and_mesh()
+    kind, msg = _outcome(lambda: Schedule1F1B(stage, 1, loss_fn=_loss))
+    assert kind == "ValueError" and "fewer than the 2 pp ranks" in msg, msg
+    kind, msg = _outcome(lambda: ScheduleInterleaved1F1B([stage], 1, loss_fn=_loss))
+    assert kind == "ValueError" and "needs n_microbatches >= 2" in msg, msg
+    kind, msg = _outcome(lambda: PipelineStage(torch.nn.Linear(4, 4), 1 - stage.stage_index, 2,
+                                               "cpu", group=mesh["pp"]))
+    assert kind == "ValueError" and "belongs on pp rank" in msg, msg
+    # the loss function missing on the last stage: found by the first step's agreement, on both
+    loss_fn = _loss if dist.get_rank() == 0 else None
+    sched = Schedule1F1B(stage, 2, loss_fn=loss_fn)
+    kind, msg = _outcome(lambda: sched.step(torch.randn(4, 4), target=torch.randn(4, 4)))
+    assert kind == "ValueError" and "last stage has no loss_fn" in msg, msg
+
+
+def _raising_body(mode):
+    """pp=2 over a Linear; stage 1 is wrong in ``mode``; returns this rank's outcome."""
+    mesh = _mesh(2, 1, 1)
+    rank = mesh["pp"].get_local_rank()
+
+    class Fails(torch.nn.Linear):
+        def forward(self, x):
+            if mode == "raise" and rank == 1 and getattr(self, "calls", 0) == 1:
+                raise RuntimeError("stage 1 broke on its second micro-batch")
+            self.calls = getattr(self, "calls", 0) + 1
+            return super().forward(x)
+
+    declared = {"input_args": torch.empty(2, 5)} if mode == "shapes" and rank == 1 else {}
+    stage = PipelineStage(Fails(4, 4), rank, 2, "cpu", group=mesh["pp"], **declared)
+    sched = get_schedule_class("gpipe")(stage, 2, loss_fn=lambda y, t: (y - t).pow(2).mean())
+    return _outcome(lambda: sched.step(torch.randn(4, 4), target=torch.randn(4, 4)))
+
+
+def _in_fresh_group(mode):
+    from tests.harness import reinit_process_group
+    reinit_process_group()
+    try:
+        return _raising_body(mode)
+    finally:
+        reinit_process_group()
+
+
+@pytest.mark.parametrize("mode", ["shapes", "raise"])
+def test_a_failing_stage_stops_every_rank(mode):
+    """Stage 1 declares input_args the previous stage does not send (or raises in its forward):
+    it raises, and stage 0, waiting for its gradients, stops with that error instead of hanging."""
+    outcomes = run_distributed(2, _in_fresh_group, mode)
+    (kind0, msg0), (kind1, msg1) = outcomes
+    if mode == "shapes":
+        assert kind1 == "ValueError" and "the stages' shapes do not match" in msg1, outcomes
+        assert "tensor[2, 5]" in msg1 and "tensor[2, 4]" in msg1, outcomes
+    else:
+        assert kind1 == "RuntimeError" and "broke" in msg1, outcomes
+    assert kind0 == "RankFailedError" and "rank 1" in msg0 and msg1[:40] in msg0, outcomes

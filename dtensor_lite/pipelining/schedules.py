@@ -108,19 +108,20 @@ class _PipelineSchedule:
         with each micro-batch's loss; returns the merged output on the last stage, else None."""
         with propagate_failures():
             return self._step(args, kwargs, target, losses, return_outputs,
-                              has_backward=self._loss_fn is not None)
+                              has_backward=self._loss_fn is not None, is_step=True)
 
     def eval(self, *args, target=None, losses: list | None = None, **kwargs):
         """Forward only (losses still computed when a loss_fn and a target are given)."""
         with propagate_failures():
-            return self._step(args, kwargs, target, losses, True, has_backward=False)
+            return self._step(args, kwargs, target, losses, True, has_backward=False,
+                              is_step=False)
 
-    def _agree(self, has_backward: bool):
+    def _agree(self, is_step: bool):
         """Once: every pp rank built the same pipeline (checked on every rank alike)."""
         holds_last = any(s.is_last for s in self._stages)
         code = zlib.crc32(type(self).__name__.encode()) & 0x7FFFFFFF
         row = torch.tensor([[self._n_microbatches, self._num_stages, code,
-                             int(self._loss_fn is not None), int(holds_last), int(has_backward)]],
+                             int(self._loss_fn is not None), int(holds_last), int(is_step)]],
                            dtype=torch.int64, device=self._stages[0].device)
         rows = collectives.all_gather(row, self._pp_mesh, 0).tolist()
         what = ("n_microbatches", "num_stages", "schedule class")
@@ -128,23 +129,21 @@ class _PipelineSchedule:
             if len({r[i] for r in rows}) > 1:
                 raise ValueError(f"pipelining: the pp ranks built different pipelines: "
                                  f"{name} per pp rank {[r[i] for r in rows]}")
+        last = next(r for r in rows if r[4])
+        if len({r[3] for r in rows}) > 1:
+            if not last[3]:
+                raise ValueError("pipelining: the rank holding the last stage has no loss_fn "
+                                 "while other ranks have one; pass loss_fn to the schedule on "
+                                 "every rank (it is called on the last stage)")
+            raise ValueError("pipelining: loss_fn is given on some pp ranks only; pass the same "
+                             "loss_fn everywhere (None everywhere runs forward only)")
         if len({r[5] for r in rows}) > 1:
             raise ValueError("pipelining: some pp ranks called step() and others eval()")
-        last = next(r for r in rows if r[4])
-        others = [r for r in rows if not r[4]]
-        if rows[0][5] and not last[3] and any(r[3] for r in others):
-            raise ValueError("pipelining: the rank holding the last stage has no loss_fn while "
-                             "other ranks have one; pass loss_fn to the schedule on every rank "
-                             "(it is called on the last stage)")
-        if rows[0][5] and last[3] and not all(r[3] for r in others):
-            raise ValueError("pipelining: loss_fn is given on the last stage's rank but not on "
-                             "every pp rank; pass the same loss_fn everywhere (None everywhere "
-                             "runs forward only)")
         self._agreed = True
 
-    def _step(self, args, kwargs, target, losses, return_outputs, has_backward):
+    def _step(self, args, kwargs, target, losses, return_outputs, has_backward, is_step):
         if not self._agreed:
-            self._agree(has_backward)
+            self._agree(is_step)
         m = self._n_microbatches
         first = self._stages[0].is_first
         last_stage = self._stages[-1] if self._stages[-1].is_last else None
