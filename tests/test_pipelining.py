@@ -270,3 +270,57 @@ def test_a_failing_stage_stops_every_rank(mode):
     else:
         assert kind1 == "RuntimeError" and "broke" in msg1, outcomes
     assert kind0 == "RankFailedError" and "rank 1" in msg0 and msg1[:40] in msg0, outcomes
+
+
+# ============================================================================ the main example
+def _example_cfg(mesh, schedule="1f1b", steps=6, **kw):
+    import dataclasses
+
+    from tests.test_train_llama import TINY, _cfg
+    return dataclasses.replace(_cfg(mesh, pp_schedule=schedule, microbatches=2, steps=steps, **kw),
+                               model=dataclasses.replace(TINY, n_layers=4))
+
+
+_EXAMPLE_REF: dict = {}
+
+
+def _example_reference(steps):
+    from examples.train_llama import reference_losses
+    if steps not in _EXAMPLE_REF:
+        _EXAMPLE_REF[steps] = run_distributed(1, reference_losses, _example_cfg("", steps=steps),
+                                              timeout=300)[0]
+    return _EXAMPLE_REF[steps]
+
+
+def _train_example(cfg):
+    from examples.train_llama import train
+    return train(cfg)
+
+
+@pytest.mark.parametrize("world,mesh,schedule", [
+    (4, "pp=2,dp_shard=2", "1f1b"), (4, "pp=2,tp=2", "interleaved"),
+    (8, "pp=2,dp_shard=2,tp=2", "zero-bubble")])
+def test_train_llama_pp_matches_one_process(world, mesh, schedule):
+    """examples/train_llama.py with a pp dim (tp with sequence and loss parallelism) trains to
+    the losses of one process (max relative difference <= 1e-5 at every step)."""
+    per_rank = run_distributed(world, _train_example, _example_cfg(mesh, schedule), timeout=300)
+    assert all(r == per_rank[0] for r in per_rank)
+    ref = _example_reference(6)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(per_rank[0], ref))
+    assert worst <= 1e-5, (mesh, schedule, worst)
+
+
+def test_checkpoint_resumes_across_pp_sizes(tmp_path):
+    """3 steps on pp=2 x dp_shard=2, checkpoint, 3 on dp_shard=2 (pp=1), checkpoint, 3 on
+    pp=2 x tp=2: the losses of 9 uninterrupted steps."""
+    a, b = str(tmp_path / "pp2"), str(tmp_path / "pp1")
+    first = run_distributed(4, _train_example, _example_cfg("pp=2,dp_shard=2", steps=3, save=a),
+                            timeout=300)
+    second = run_distributed(2, _train_example, _example_cfg("dp_shard=2", steps=6, resume=a,
+                                                             save=b), timeout=300)
+    third = run_distributed(4, _train_example, _example_cfg("pp=2,tp=2", "gpipe", steps=9,
+                                                            resume=b), timeout=300)
+    losses = first[0] + second[0] + third[0]
+    ref = _example_reference(9)
+    worst = max(abs(x - y) / abs(y) for x, y in zip(losses, ref))
+    assert len(losses) == 9 and worst <= 1e-5, (losses, ref, worst)
