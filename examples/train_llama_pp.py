@@ -29,8 +29,9 @@ from tp import loss_parallel, parallelize_module
 __all__ = ["PP_SCHEDULES", "LocalStages", "build_pipelined"]
 
 # --pp-schedule: (torch's schedule name, stages per pp rank)
-PP_SCHEDULES = {"gpipe": ("GPipe", 1), "1f1b": ("1F1B", 1), "interleaved": ("Interleaved1F1B", 2),
-                "zero-bubble": ("InterleavedZeroBubble", 2), "looped-bfs": ("LoopedBFS", 2)}
+PP_SCHEDULES = {"gpipe": ("GPipe", 1), "1f1b": ("1F1B", 1),
+                "interleaved": ("Interleaved1F1B", 2), "zero-bubble": ("InterleavedZeroBubble", 2),
+                "looped-bfs": ("LoopedBFS", 2)}
 
 
 class LocalStages(nn.Module):

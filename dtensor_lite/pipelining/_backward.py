@@ -11,9 +11,9 @@ then deliver exactly the gradients the full backward would have given the parame
 * ``W`` re-enters each boundary node alone, with what it received, asking only for its skipped
   edges (one ``autograd.grad`` per node: a node reached from another boundary node's inputs
   would otherwise be counted twice; a node whose child other boundary nodes feed too is called
-  directly instead, since autograd would walk every path into that child), then runs one backward from those edges down to the
-  parameters -- through FSDP's unsharded-parameter node, whose backward thus runs once per
-  micro-batch as in a full backward.
+  directly instead, since autograd would walk every path into that child), then runs one
+  backward from those edges down to the parameters -- through FSDP's unsharded-parameter node,
+  whose backward thus runs once per micro-batch as in a full backward.
 
 A parameter used twice on the input path (tied weights) would be reached from both uses'
 nodes: then ``W`` is one whole backward to the parameters (correct, at a full backward's cost).

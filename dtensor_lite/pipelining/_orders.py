@@ -10,9 +10,10 @@ GPipe and looped BFS are written out directly. 1F1B, interleaved 1F1B and interl
 are produced by one greedy list scheduler that plays the pipeline in unit time (F = I = W = 1,
 B = 2) and lets each idle rank pick its next action by the schedule's rule:
 
-* 1F1B / interleaved 1F1B: a ready backward first; else a ready forward while fewer than
-  ``limit`` forwards await their backward (``p - r`` for 1F1B, Megatron's warm-up plus one when
-  interleaved: this is what bounds activation memory).
+* 1F1B / interleaved 1F1B: forwards while fewer than ``limit`` await their backward (``p - r``
+  for 1F1B, Megatron's warm-up plus one when interleaved: this is what bounds activation
+  memory), then one forward, one backward: after a forward a ready backward goes first, after a
+  backward a ready forward (either, when the other is not ready).
 * zero bubble: a ready ``I`` first; else a forward under the same limit; else a pending ``W``.
   So the ``W`` passes run where 1F1B would sit idle (ZB-H1 of Qi et al., 2023).
 

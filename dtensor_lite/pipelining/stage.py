@@ -21,11 +21,11 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from .. import collectives
 from ..device_mesh import DeviceMesh
 from ._backward import SplitBackward
-from ._transfer import (ACTIVATION, GRADIENT, META_BYTES, META_SIZE, TensorMeta, local_piece,
+from ._transfer import (ACTIVATION, META_BYTES, META_SIZE, TensorMeta, local_piece,
                         message_tag, meta_of, rebuild, recv_object, send_object)
-from .. import collectives
 
 __all__ = ["PipelineStage"]
 
@@ -79,7 +79,8 @@ class PipelineStage:
             raise TypeError(f"PipelineStage: submodule must be an nn.Module, got "
                             f"{type(submodule).__name__}")
         if not (isinstance(num_stages, int) and num_stages >= 1):
-            raise ValueError(f"PipelineStage: num_stages must be a positive int, got {num_stages!r}")
+            raise ValueError(f"PipelineStage: num_stages must be a positive int, got "
+                             f"{num_stages!r}")
         if not (isinstance(stage_index, int) and 0 <= stage_index < num_stages):
             raise ValueError(f"PipelineStage: stage_index {stage_index!r} is not in "
                              f"[0, {num_stages})")
@@ -138,8 +139,8 @@ class PipelineStage:
         """Send ``tensors`` (None entries are not sent) to stage ``to_stage``; the pending sends."""
         dst = self.rank_of(to_stage)
         if dst == self.group_rank:   # the neighbour runs here (one pp rank): hand it over
-            mailbox[(kind, to_stage, mb)] = [None if t is None else _leaf(t.detach(), t.requires_grad)
-                                              for t in tensors]
+            mailbox[(kind, to_stage, mb)] = [
+                None if t is None else _leaf(t.detach(), t.requires_grad) for t in tensors]
             return []
         agreed = self.out_meta if kind == ACTIVATION else self.grad_out_meta
         what = "output" if kind == ACTIVATION else "input gradient"
