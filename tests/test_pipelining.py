@@ -1,7 +1,8 @@
 """Pipeline parallelism (dtensor_lite.pipelining) trains exactly like one process.
 
 Every rank trains its stages of a tiny Llama (examples/llama_pipeline.py) under a schedule and,
-beside it, the whole model on the whole batch in plain torch (the oracle). fp32 throughout: the
+beside it, the whole model on the whole batch in plain torch (the oracle), 3 AdamW steps (the
+example's tests below run 6 and 9). fp32 throughout: the
 pipeline sums the micro-batches' gradients and divides by their count where one process averages
 over the batch once (and TP splits the matmuls' sums), a few ulps per step. Losses agree to 1e-5
 relative; gradients to rtol 1e-4 / atol 1e-6 as in test_llama_e2e: AdamW divides by sqrt(v), so
@@ -77,7 +78,7 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def parity(schedule, pp, v, m, dp=1, tp=1, layers=None, sp=False, steps=5, optim="adamw"):
+def parity(schedule, pp, v, m, dp=1, tp=1, layers=None, sp=False, steps=3, optim="adamw"):
     mesh, sched, mods, oracle = build(schedule, pp, v, m, dp, tp, layers, sp)
     params = [p for mod in mods for p in mod.parameters()]
     make = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[optim]
@@ -324,3 +325,26 @@ def test_checkpoint_resumes_across_pp_sizes(tmp_path):
     ref = _example_reference(9)
     worst = max(abs(x - y) / abs(y) for x, y in zip(losses, ref))
     assert len(losses) == 9 and worst <= 1e-5, (losses, ref, worst)
+
+
+def _eval_body():
+    """eval(): forward only, the merged output on the last stage equals the plain forward."""
+    mesh = _mesh(2, 1, 1)
+    rank = mesh["pp"].get_local_rank()
+    torch.manual_seed(0)
+    whole = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
+    stage = PipelineStage([whole[:2], whole[2:]][rank], rank, 2, "cpu", group=mesh["pp"])
+    sched = get_schedule_class("1f1b")(stage, 4, loss_fn=lambda y, t: (y - t).pow(2).mean())
+    x, t = torch.randn(8, 4), torch.randn(8, 3)
+    losses = []
+    out = sched.eval(x, target=t, losses=losses)
+    assert all(p.grad is None for p in whole.parameters())
+    if rank == 1:
+        torch.testing.assert_close(out, whole(x))
+        assert len(losses) == 4
+    else:
+        assert out is None and not losses
+
+
+def test_eval_runs_forward_only():
+    run_distributed(2, _eval_body)
