@@ -171,6 +171,9 @@ class _PipelineSchedule:
         for a in self._order:
             if not has_backward and a.kind != "F":
                 continue
+            # sends that arrived release their buffers now (1F1B frees a micro-batch's
+            # activations after its backward: a send still held would keep them to the end)
+            pending = _drop_arrived(pending)
             st = by_index[a.stage]
             t0 = time.perf_counter()
             if a.kind == "F":
@@ -221,6 +224,17 @@ class _PipelineSchedule:
         if not return_outputs:
             return None
         return merge_chunks([outputs[i] for i in range(m)], self._output_merge_spec)
+
+
+def _drop_arrived(pending: list) -> list:
+    """The sends still in flight; the others are finished (waited: at once) and let go."""
+    still = []
+    for work in pending:
+        if work.is_completed():
+            work.wait()
+        else:
+            still.append(work)
+    return still
 
 
 class PipelineScheduleSingle(_PipelineSchedule):
