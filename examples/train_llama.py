@@ -472,6 +472,8 @@ def parse_args(argv=None) -> TrainConfig:
                          if f.name != "model"})
     if cfg.seq > cfg.model.max_seq_len:
         cfg.model = dataclasses.replace(cfg.model, max_seq_len=cfg.seq)
+    if args.layers is not None:  # e.g. 4 for two stages per rank on pp=2
+        cfg.model = dataclasses.replace(cfg.model, n_layers=args.layers)
     return cfg
 
 
@@ -510,6 +512,9 @@ def _parser() -> argparse.ArgumentParser:
                     help="pipeline schedule with a pp mesh dim (default %(default)s)")
     ap.add_argument("--microbatches", type=int, default=d.microbatches,
                     help="micro-batches per step with a pp mesh dim (default %(default)s)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help=f"transformer blocks (default {d.model.n_layers}; a pp schedule needs "
+                         "one per stage at least)")
     ap.add_argument("--dry-run", action="store_true",
                     help="train nothing: print what one step on --mesh (any size, e.g. "
                          "dp_replicate=8,dp_shard=16,tp=8) holds, sends and costs per rank, "

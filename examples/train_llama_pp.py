@@ -57,7 +57,8 @@ def build_pipelined(cfg, mesh, sizes: dict[str, int], dp_names: tuple[str, ...])
     num_stages = pp * per_rank
     if cfg.model.n_layers < num_stages:
         raise SystemExit(f"--pp-schedule {cfg.pp_schedule} on pp={pp} makes {num_stages} stages "
-                         f"but the model has {cfg.model.n_layers} layers")
+                         f"but the model has {cfg.model.n_layers} layers; pass --layers "
+                         f"{num_stages} (or more)")
     if cfg.ac != "none" or cfg.compile:
         raise SystemExit("--ac / --compile are not wired into the pp branch yet")
     torch.manual_seed(cfg.seed)
