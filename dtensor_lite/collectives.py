@@ -663,3 +663,38 @@ def exchange_pieces(sends: dict, recvs: dict, device, async_op: bool = False,
         return {peer: _unwire(buf.to(device) if host else buf, like)
                 for peer, (buf, like) in received.items()}
     return _launch(kind, issued, finish, async_op)
+
+
+# ---------------------------------------------------------------- tagged point-to-point
+# Pipeline schedules (dtensor_lite.pipelining) exchange many messages between one pair of ranks in
+# both directions (activations one way, gradients the other, several stages per rank): a tag per
+# message lets each receive name the message it wants, whatever order the two ranks post them in.
+def send(tensor: torch.Tensor, mesh, mesh_dim: int, dst: int, *, tag: int = 0,
+         async_op: bool = False, kind: str = "send"):
+    """Send ``tensor`` to coordinate ``dst`` of the mesh dim under ``tag``. With ``async_op`` a
+    ``Pending`` (wait before reusing ``tensor``; the tensor is kept alive until then)."""
+    dg = mesh._dim_group(mesh_dim)
+    x = _wire(tensor)
+    if x.device.type != "cpu" and group_backend(dg.group) == "gloo":
+        x = x.cpu()  # gloo's send reads host memory only
+    started = time.perf_counter()
+    work = dist.isend(x, dst=dg.ranks[dst], group=dg.group, tag=tag)
+    _report(kind, x.numel() * x.element_size(), dg.size, mesh, mesh_dim)
+    issued = (_Works([work], (x,), timed_wait_aborts=True), started, dg.group)
+    return _launch(kind, issued, lambda: None, async_op)
+
+
+def recv(shape, dtype: torch.dtype, mesh, mesh_dim: int, src: int, *, device=None, tag: int = 0,
+         async_op: bool = False, kind: str = "recv"):
+    """Receive a tensor of ``shape`` / ``dtype`` sent by coordinate ``src`` under ``tag``;
+    returns it (with ``async_op`` a ``Pending`` whose ``wait()`` does)."""
+    dg = mesh._dim_group(mesh_dim)
+    device = torch.device(device if device is not None else mesh.device_type)
+    like = torch.empty(tuple(shape), dtype=dtype, device="meta")
+    host = device.type != "cpu" and group_backend(dg.group) == "gloo"
+    buf = _wire(torch.empty(tuple(shape), dtype=dtype, device="cpu" if host else device))
+    started = time.perf_counter()
+    work = dist.irecv(buf, src=dg.ranks[src], group=dg.group, tag=tag)
+    _report(kind, 0, dg.size, mesh, mesh_dim)
+    issued = (_Works([work], (buf,), timed_wait_aborts=True), started, dg.group)
+    return _launch(kind, issued, lambda: _unwire(buf.to(device) if host else buf, like), async_op)

@@ -60,10 +60,11 @@ from dtensor_lite.state_dict import get_state_dict, set_state_dict  # noqa: E402
 from examples.llama import Llama, LlamaConfig, loss_fn  # noqa: E402
 from examples.llama_parallel import (AC_MODES, apply_activation_checkpointing,  # noqa: E402
                                      parallelize_llama)
+from examples.train_llama_pp import PP_SCHEDULES, bubble_row, build_pipelined  # noqa: E402
 from fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 from tp import loss_parallel  # noqa: E402
 
-MESH_DIMS = ("dp_replicate", "dp_shard", "tp")
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 
 
@@ -84,6 +85,8 @@ class TrainConfig:
     compile: str | None = None  # torch.compile each block with this backend (e.g. "inductor")
     losses: str | None = None   # write every step's mean loss here as JSON (rank 0)
     param_dtype: str = "fp32"   # FSDP mixed precision: "bf16" gathers and computes in bf16
+    pp_schedule: str = "1f1b"   # with a pp mesh dim: gpipe | 1f1b | interleaved | zero-bubble
+    microbatches: int = 4       # micro-batches per step with a pp mesh dim
     model: LlamaConfig = dataclasses.field(default_factory=lambda: LlamaConfig(
         vocab_size=256, dim=64, n_layers=2, n_heads=8, ffn_dim=160, max_seq_len=64))
 
@@ -211,7 +214,12 @@ def load_checkpoint(path: str, model, opt) -> int:
     An incomplete or truncated checkpoint raises ``CheckpointError`` on every rank."""
     model_sd, optim_sd = get_state_dict(model, opt)   # templates with this mesh's layouts
     state = {"model": model_sd, "optim": optim_sd, "step": torch.tensor(0)}
+    names = [list(g["params"]) for g in optim_sd["param_groups"]]
     dcp.load(state, checkpoint_id=path)
+    # DCP restores a non-tensor entry as one rank saved it; with pp the ranks hold different
+    # parameters, so each keeps its own names (the hyperparameters are the same everywhere)
+    for group, mine in zip(state["optim"]["param_groups"], names):
+        group["params"] = mine
     set_state_dict(model, opt, model_state_dict=state["model"], optim_state_dict=state["optim"])
     return int(state["step"])
 
@@ -225,7 +233,11 @@ def train(cfg: TrainConfig) -> list[float]:
     device_type = "cuda" if torch.cuda.is_available() else "cpu"
     mesh = init_device_mesh(device_type, tuple(sizes.values()), mesh_dim_names=tuple(sizes))
     check_shapes(cfg, sizes)
-    model, opt = build(cfg, mesh, sizes)
+    schedule = None
+    if "pp" in sizes:  # pipeline parallel: this rank's stages (examples/train_llama_pp.py)
+        model, opt, pp_step, schedule = build_pipelined(cfg, mesh, sizes, dp_names(sizes))
+    else:
+        model, opt = build(cfg, mesh, sizes)
     start = load_checkpoint(cfg.resume, model, opt) if cfg.resume else 0
     show = _Display(cfg, mesh, sizes, model, start) if not cfg.quiet and dist.get_rank() == 0 \
         else None
@@ -233,7 +245,7 @@ def train(cfg: TrainConfig) -> list[float]:
     world_mesh = init_device_mesh(device_type, (world,))
     tokens = corpus_tokens()
     lp = uses_loss_parallel(cfg, sizes)
-    losses, timings = [], []
+    losses, timings, pp_idle = [], [], []
     for step in range(start, cfg.steps):
         t0 = time.perf_counter()
         inputs, targets = global_batch(tokens, step, cfg)
@@ -242,7 +254,10 @@ def train(cfg: TrainConfig) -> list[float]:
         tracked = show is not None and step == cfg.steps - 1
         with ExposedCommMode() as comm, \
                 MemoryTracker(model, opt) if tracked else contextlib.nullcontext() as memory:
-            local = train_step(model, opt, inputs, targets, lp)
+            local = pp_step(inputs, targets) if schedule else train_step(model, opt, inputs,
+                                                                           targets, lp)
+        if schedule is not None:
+            pp_idle.append(schedule.last_step_timing["idle"])
         timings.append((time.perf_counter() - t0, comm))
         if tracked:
             show.memory = memory
@@ -262,6 +277,11 @@ def train(cfg: TrainConfig) -> list[float]:
         dist.all_gather_object(per_rank, rank_summary(timings, device_type))
     if show:
         show.finish(losses, cfg.save, per_rank)
+    if schedule is not None and not cfg.quiet and pp_idle:
+        bubbles = [None] * world
+        dist.all_gather_object(bubbles, bubble_row(schedule, pp_idle))
+        if show:
+            show.console.print(_bubble_table(bubbles, cfg))
     return losses
 
 
@@ -302,6 +322,10 @@ def check_shapes(cfg: TrainConfig, sizes: dict[str, int]):
     if cfg.batch % n_dp:
         raise SystemExit(f"--batch {cfg.batch} does not divide by the data-parallel size "
                          f"{n_dp}; every data-parallel rank trains on batch/{n_dp} rows")
+    if "pp" in sizes and (cfg.batch // n_dp) % cfg.microbatches:
+        raise SystemExit(f"--microbatches {cfg.microbatches} does not divide the "
+                         f"{cfg.batch // n_dp} rows of each data-parallel rank (--batch "
+                         f"{cfg.batch} over {n_dp}); equal micro-batches train like one process")
 
 
 def dry_run_setup(cfg: TrainConfig):
@@ -341,7 +365,8 @@ def reference_losses(cfg: TrainConfig) -> list[float]:
 class _Display:
     """rich tables of the mesh and the parameter layouts, a progress bar, a summary."""
 
-    ROLES = {"dp_replicate": "replicate parameters, all-reduce gradients (HSDP)",
+    ROLES = {"pp": "pipeline stages, micro-batches passed between them",
+             "dp_replicate": "replicate parameters, all-reduce gradients (HSDP)",
              "dp_shard": "shard parameters, all-gather / reduce-scatter (FSDP)",
              "tp": "split matmuls and activations (tensor parallel)"}
 
@@ -438,6 +463,21 @@ def _rank_table(per_rank: list[dict]):
     return table
 
 
+def _bubble_table(rows: list[dict], cfg):
+    """Measured idle fraction per rank beside the schedule's (unit-cost) analytical one."""
+    from rich.table import Table
+    table = Table(title=f"pipeline bubble: {cfg.pp_schedule}, {cfg.microbatches} micro-batches",
+                  caption="measured: 1 - (time in this rank's forward/backward) / step time "
+                          "(median over steps after the first); analytical: the schedule played "
+                          "with F = 1, B = 2 and free communication")
+    for col in ("rank", "pp rank", "measured idle", "analytical idle"):
+        table.add_column(col, justify="right")
+    for rank, r in enumerate(rows):
+        table.add_row(str(rank), str(r["pp_rank"]), f"{100 * r['measured']:.0f}%",
+                      f"{100 * r['analytical']:.0f}%")
+    return table
+
+
 def _placement_cells(p, mesh, sizes) -> list[str]:
     """One short cell per mesh dim: what ``p`` does along it ("-" where it is not there)."""
     cells = {name: "-" for name in sizes}
@@ -462,6 +502,8 @@ def parse_args(argv=None) -> TrainConfig:
                          if f.name != "model"})
     if cfg.seq > cfg.model.max_seq_len:
         cfg.model = dataclasses.replace(cfg.model, max_seq_len=cfg.seq)
+    if args.layers is not None:  # e.g. 4 for two stages per rank on pp=2
+        cfg.model = dataclasses.replace(cfg.model, n_layers=args.layers)
     return cfg
 
 
@@ -496,6 +538,13 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--param-dtype", choices=("fp32", "bf16"), default=d.param_dtype,
                     help="bf16: FSDP gathers parameters and computes in bf16, reduces gradients "
                          "in fp32 (needs a data-parallel dim; default %(default)s)")
+    ap.add_argument("--pp-schedule", choices=tuple(PP_SCHEDULES), default=d.pp_schedule,
+                    help="pipeline schedule with a pp mesh dim (default %(default)s)")
+    ap.add_argument("--microbatches", type=int, default=d.microbatches,
+                    help="micro-batches per step with a pp mesh dim (default %(default)s)")
+    ap.add_argument("--layers", type=int, default=None,
+                    help=f"transformer blocks (default {d.model.n_layers}; a pp schedule needs "
+                         "one per stage at least)")
     ap.add_argument("--dry-run", action="store_true",
                     help="train nothing: print what one step on --mesh (any size, e.g. "
                          "dp_replicate=8,dp_shard=16,tp=8) holds, sends and costs per rank, "
@@ -507,6 +556,9 @@ def _parser() -> argparse.ArgumentParser:
 def dry_run_main(argv=None):
     """``--dry-run``: the report of ``python -m dtensor_lite.plan`` for this script's model."""
     cfg = parse_args(argv)
+    if "pp" in parse_mesh(cfg.mesh, None):
+        raise SystemExit("--dry-run does not size pipeline stages yet (a pp mesh dim); plan the "
+                         "stage's sub-mesh instead, e.g. --mesh dp_shard=16,tp=8")
     args = _parser().parse_args(argv)
     link, compute = cost_models(args)
     report = dry_run(dry_run_setup(cfg), parse_mesh(cfg.mesh, None), rank=args.rank,

@@ -88,6 +88,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
                         f"{type(mesh).__name__}")
     device = _mesh_device(mesh)
     info = MeshInfo(mesh, spmd_mesh)
+    left_default = reshard_after_forward is None
     if reshard_after_forward is None:
         reshard_after_forward = True  # a root keeps its parameters whatever this says
     _check_reshard_after_forward(reshard_after_forward, info)
@@ -121,6 +122,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         if group._post_forward_n():
             info.post_forward(reshard_after_forward)  # creates process groups: on every rank now
     state = FSDPState(modules, group, mp_policy)
+    state.default_reshard_after_forward = left_default
     for m in modules:
         m._fsdp_state = state
         m.register_forward_pre_hook(functools.partial(hooks.pre_forward, state), prepend=True,
@@ -285,6 +287,12 @@ class FSDPModule:
             if state.group is not None:
                 state.group.reshard_after_forward = reshard_after_forward
                 state.group.is_root = False
+
+    def _keeps_default_reshard_after_forward(self) -> bool:
+        """Whether ``reshard_after_forward`` was left to fully_shard's default. Pipeline
+        schedules (``dtensor_lite.pipelining``) then keep the parameters through the step's
+        micro-batches: one all-gather per step instead of two per micro-batch."""
+        return self._get_fsdp_state().default_reshard_after_forward
 
     def set_reshard_after_backward(self, reshard_after_backward: bool, *, recurse: bool = True):
         """``False`` keeps parameters unsharded after backward, saving the next forward's

@@ -37,6 +37,7 @@ class FSDPState:
         self.forward_prefetch: list[FSDPState] | None = None   # explicit; None: implicit
         self.backward_prefetch: list[FSDPState] | None = None
         self.root_keeps_params = True         # cleared by an explicit set_reshard_after_forward
+        self.default_reshard_after_forward = True  # fully_shard got None (see FSDPModule)
         self.post_optim_event = None          # set_post_optim_event: for the next root forward
         self.to_run: set[int] = set()         # ids of this call's modules still to run this use
         self.running: set[int] = set()        # ids of this call's modules inside their forward

@@ -22,7 +22,7 @@ from tests.harness import run_distributed
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DOC_PAGES = ["README.md", "docs/placements.md", "docs/random.md", "docs/strategies.md", "docs/fsdp.md",
              "docs/tp.md", "docs/checkpoint.md", "docs/2d.md", "docs/internals.md",
-             "docs/troubleshooting.md", "docs/relayout.md"]
+             "docs/troubleshooting.md", "docs/relayout.md", "docs/pipelining.md"]
 DEMO = os.path.join(REPO_ROOT, "examples", "demo_redistribute.py")
 
 _FENCE = re.compile(r"^```python[ \t]*\n(.*?)^```[ \t]*$", re.MULTILINE | re.DOTALL)

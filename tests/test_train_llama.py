@@ -92,7 +92,7 @@ def test_bad_mesh_flag_is_explained():
         from examples.train_llama import parse_mesh
         parse_mesh("dp_shard=2,tp=2", 1)
     with pytest.raises(SystemExit, match="NAME=SIZE"):
-        parse_mesh("pp=2", 2)
+        parse_mesh("cp=2", 2)
     with pytest.raises(SystemExit, match="needs dp_shard"):
         parse_mesh("dp_replicate=2", 2)
     assert list(parse_mesh("tp=2,dp_shard=2", 4)) == ["dp_shard", "tp"]
