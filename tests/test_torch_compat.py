@@ -1,0 +1,256 @@
+"""Code written against torch.distributed.tensor / fully_shard / parallelize_module, imports
+switched, nothing else changed: the calls user code and user tests make beyond training loops
+(issue 24). Each test states torch's behaviour (checked against torch 2.13) and asserts ours."""
+
+import copy
+import io
+import warnings
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+
+from dtensor_lite import (DTensor, Partial, Replicate, Shard, distribute_module,
+                          distribute_tensor, get_model_state_dict, init_device_mesh)
+from dtensor_lite.debug import CommDebugMode
+from tests.harness import distributed
+
+
+# ----------------------------------------------------------------------------- mesh
+@distributed(world_size=4)
+def test_mesh_as_context_manager_is_the_default_mesh():
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x = torch.arange(16.0).reshape(4, 4)
+    with mesh as entered:
+        assert entered is mesh
+        d = distribute_tensor(x, placements=[Shard(0), Shard(1)])
+        with mesh["tp"]:  # nests: the innermost wins
+            r = DTensor.from_local(torch.ones(2), placements=[Shard(0)])
+        assert r.device_mesh == mesh["tp"] and r.shape == (4,)
+    assert d.device_mesh is mesh and torch.equal(d.full_tensor(), x)
+    assert distribute_tensor(x, placements=[Shard(0)]).device_mesh.shape == (4,)  # world again
+
+
+@distributed(world_size=4)
+def test_functional_collectives_take_our_mesh_and_mesh_dim():
+    """torchtitan's dist_sum / dist_max: funcol.all_reduce(x, op, group=mesh)."""
+    rank = dist.get_rank()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x = torch.tensor([float(rank), -float(rank)])
+    tp_ranks, dp_ranks = mesh["tp"].mesh.tolist(), mesh["dp"].mesh.tolist()
+    torch.testing.assert_close(funcol.all_reduce(x, "sum", group=mesh["tp"]).wait(),
+                               torch.tensor([1.0, -1.0]) * sum(tp_ranks))
+    torch.testing.assert_close(funcol.all_reduce(x, "max", group=(mesh, 0)).wait(),
+                               torch.tensor([max(dp_ranks), -min(dp_ranks)], dtype=x.dtype))
+    world = init_device_mesh("cpu", (4,))
+    torch.testing.assert_close(funcol.all_reduce(x, "sum", group=world).wait(),
+                               torch.tensor([6.0, -6.0]))
+    gathered = funcol.all_gather_tensor(x, 0, (mesh, 1)).wait()
+    torch.testing.assert_close(gathered, torch.cat([torch.tensor([float(r), -float(r)])
+                                                    for r in tp_ranks]))
+    # what funcol reads of it; type() and every method stay ours
+    assert type(mesh).__module__ == "dtensor_lite.device_mesh"
+    assert mesh._dim_group_names == [g.group_name for g in mesh.get_all_groups()]
+    with pytest.raises(AssertionError, match="Only 1D mesh"):  # torch's own check for N-D
+        funcol.all_reduce(x, "sum", group=mesh)
+
+
+@distributed(world_size=4)
+def test_unflatten_with_backend_override():
+    """torchtitan's parallelize_llama: world._unflatten(0, sizes, names, backend_override=)."""
+    world = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
+    plain = world._unflatten(0, (2, 2), ("dp", "tp"))
+    mesh = world._unflatten(0, (2, 2), ("dp", "tp"), backend_override={"tp": "gloo"})
+    assert mesh.mesh.tolist() == [[0, 1], [2, 3]]
+    tp = mesh.get_group("tp")
+    assert tp is not plain.get_group("tp") and dist.get_backend(tp) == "gloo"
+    assert mesh.get_group("dp") is plain.get_group("dp")
+    again = world.unflatten(0, (2, 2), ("dp", "tp"), backend_override={1: ("gloo", None)})
+    assert again.get_group("tp") is tp
+    x = torch.randn(4, 6)
+    assert torch.equal(distribute_tensor(x, mesh, [Shard(0), Shard(1)]).full_tensor(), x)
+    with pytest.raises(ValueError, match="'pp'"):
+        world._unflatten(0, (2, 2), ("dp", "tp"), backend_override={"pp": "gloo"})
+
+
+# ----------------------------------------------------------------------------- placements, ops
+@distributed(world_size=4)
+def test_partial_product():
+    assert Partial("prod") == Partial("product") and Partial("prod").reduce_op == "product"
+    mesh = init_device_mesh("cpu", (2, 2))
+    rank = dist.get_rank()
+    local = torch.tensor([1.0 + rank, 2.0, -1.0, 0.5 * (rank + 1)])
+    pieces = [torch.tensor([1.0 + r, 2.0, -1.0, 0.5 * (r + 1)]) for r in range(4)]
+    expect = torch.stack(pieces).prod(0)
+    d = DTensor.from_local(local.clone().requires_grad_(), mesh, [Partial("product")] * 2)
+    with CommDebugMode() as comm:
+        full = d.full_tensor()
+    torch.testing.assert_close(full, expect)
+    assert comm.get_comm_counts() == {"all_reduce": 2}
+    s = d.redistribute(mesh, [Shard(0), Partial("prod")]).redistribute(mesh, [Shard(0), Shard(0)])
+    torch.testing.assert_close(s.full_tensor(), expect)
+    # Replicate -> Partial(product) keeps the value (coordinate 0 holds it, the others ones)
+    r = distribute_tensor(expect, mesh, [Replicate(), Replicate()])
+    torch.testing.assert_close(r.redistribute(mesh, [Partial("product"), Replicate()])
+                               .full_tensor(), expect)
+    # gradient: d(prod)/d(piece) = product of the other pieces, exact with a zero among them
+    leaf = local.clone().requires_grad_()
+    DTensor.from_local(leaf, mesh, [Partial("product")] * 2).full_tensor().sum().backward()
+    others = torch.stack([p for k, p in enumerate(pieces) if k != rank]).prod(0)
+    torch.testing.assert_close(leaf.grad, others)
+    with pytest.raises(ValueError, match="reduce_op must be one of"):
+        Partial("mean")
+
+
+@distributed(world_size=4)
+def test_stride_of_non_contiguous_pieces():
+    """torch: from_local(piece.t()).stride() is the transposed global tensor's."""
+    mesh = init_device_mesh("cpu", (4,))
+    piece = torch.randn(6, 2).t()                     # (2, 6), stride (1, 2)
+    assert DTensor.from_local(piece, mesh, [Shard(0)]).stride() == (1, 8)   # global (8, 6)
+    assert DTensor.from_local(piece, mesh, [Shard(1)]).stride() == (1, 2)   # global (2, 24)
+    assert DTensor.from_local(piece.contiguous(), mesh, [Shard(0)]).stride() == (6, 1)
+    d = DTensor.from_local(piece, mesh, [Shard(0)])   # every rank: the same piece (seed 0)
+    torch.testing.assert_close((d * 2).full_tensor(), torch.cat([piece] * 4) * 2)
+    assert d.t().stride() == (8, 1) and d.t().is_contiguous()
+
+
+@distributed(world_size=4)
+def test_is_same_size_with_a_plain_tensor_and_equal_refuses_it():
+    """torch: aten.is_same_size(dtensor, tensor) compares the global shape; torch.equal of a
+    DTensor and a plain tensor raises (ours too, with its own message)."""
+    mesh = init_device_mesh("cpu", (4,))
+    x = torch.randn(8, 6)
+    d = distribute_tensor(x, mesh, [Shard(0)])
+    with CommDebugMode() as comm:
+        assert torch.ops.aten.is_same_size(d, torch.empty(8, 6))
+        assert not torch.ops.aten.is_same_size(d, torch.empty(8, 5))
+        assert not torch.ops.aten.is_same_size(torch.empty(2, 6), d)
+    assert comm.get_total_counts() == 0
+    assert torch.equal(d, distribute_tensor(x, mesh, [Replicate()]))
+    with pytest.raises(ValueError, match="aten.equal.default: got a mix of DTensor and plain"):
+        torch.equal(d, x)
+
+
+@distributed(world_size=4)
+def test_to_empty_keeps_partial_buffers():
+    mesh = init_device_mesh("cpu", (4,))
+    m = nn.Linear(4, 4)
+    m.register_buffer("acc", DTensor.from_local(torch.ones(4), mesh, [Partial()]))
+    m.register_buffer("rows", distribute_tensor(torch.ones(8, 2), mesh, [Shard(0)]))
+    m.to_empty(device="cpu")
+    assert m.acc.placements == (Partial(),) and m.rows.placements == (Shard(0),)
+    assert m.acc.to_local().shape == (4,) and m.rows.to_local().shape == (2, 2)
+    # the like-factories with values still make Partial inputs Replicate (torch's rule)
+    assert torch.zeros_like(m.acc).placements == (Replicate(),)
+
+
+@distributed(world_size=4)
+def test_distribute_module_two_argument_input_and_output_fn():
+    mesh = init_device_mesh("cpu", (4,))
+    seen = []
+
+    def input_fn(inputs, device_mesh):         # torch's older form: (inputs, device_mesh)
+        seen.append(device_mesh)
+        return tuple(distribute_tensor(t, device_mesh, [Replicate()]) for t in inputs)
+
+    def output_fn(outputs, device_mesh):
+        return outputs.full_tensor()
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m = distribute_module(nn.Linear(3, 2), mesh, input_fn=input_fn, output_fn=output_fn)
+    messages = [str(w.message) for w in caught if w.category is FutureWarning]
+    assert len(messages) == 2 and "Deprecating input_fn that takes two arguments" in messages[0]
+    assert "Deprecating output_fn" in messages[1]
+    x = torch.randn(5, 3)
+    out = m(x)
+    assert seen == [mesh] and type(out) is torch.Tensor
+    torch.testing.assert_close(out, x @ m.weight.full_tensor().t() + m.bias.full_tensor())
+    with pytest.raises(ValueError, match=r"input_fn should take in 3 arguments \(module, inputs, device_mesh\), but got 1"):
+        distribute_module(nn.Linear(3, 2), mesh, input_fn=lambda inputs: inputs)
+
+
+# ----------------------------------------------------------------------------- save / load
+@distributed(world_size=4)
+def test_torch_save_load_default_weights_only():
+    """torch.load's default is weights_only=True: our DTensor, and a sharded state dict, load
+    without the caller allow-listing anything."""
+    from fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    x = torch.randn(5, 6)
+    d = distribute_tensor(x, mesh, [Shard(0), Partial("avg")]).redistribute(
+        mesh, [Shard(0), Shard(1)])
+    buf = io.BytesIO()
+    torch.save({"d": d, "step": 3}, buf)
+    buf.seek(0)
+    loaded = torch.load(buf)
+    assert loaded["step"] == 3 and isinstance(loaded["d"], DTensor)
+    assert loaded["d"].placements == (Shard(0), Shard(1)) and loaded["d"].device_mesh == mesh
+    torch.testing.assert_close(loaded["d"].full_tensor(), x)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 3))
+    ref = {k: v.clone() for k, v in model.state_dict().items()}
+    fully_shard(model, mesh=mesh["dp"])
+    sd = get_model_state_dict(model)
+    buf = io.BytesIO()
+    torch.save(sd, buf)
+    buf.seek(0)
+    back = torch.load(buf)
+    assert set(back) == set(ref)
+    for k, v in back.items():
+        assert isinstance(v, DTensor) and v.placements == sd[k].placements
+        torch.testing.assert_close(v.full_tensor(), ref[k])
+
+
+# ----------------------------------------------------------------------------- fsdp
+@distributed(world_size=2)
+def test_fully_shard_state_deepcopy_containers_and_slices():
+    from fsdp import FSDPModule, fully_shard
+    mesh = init_device_mesh("cpu", (2,))
+    seq = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    assert fully_shard.state(seq) is None
+    fully_shard(seq[0], mesh=mesh)
+    fully_shard(seq, mesh=mesh)
+    assert fully_shard.state(seq) is seq._fsdp_state and fully_shard.state(seq[0]) is not None
+    assert fully_shard.state(seq[1]) is None
+    # a slice of a sharded Sequential is a plain Sequential over the same (sharded) modules
+    head = seq[0:2]
+    assert type(head) is nn.Sequential and not isinstance(head, FSDPModule)
+    assert head[0] is seq[0] and isinstance(head[0], FSDPModule)
+    assert list(seq[1:]) == [seq[1], seq[2]] and type(seq[1:]) is nn.Sequential
+    with pytest.raises(AssertionError, match="FSDP does not support deepcopy"):
+        copy.deepcopy(seq)
+    with pytest.raises(AssertionError, match="FSDP does not support deepcopy"):
+        copy.deepcopy(nn.Sequential(seq[0]))  # a sharded module inside an unsharded one
+    for container in (nn.ModuleList([nn.Linear(2, 2)]), nn.ModuleDict({"a": nn.Linear(2, 2)})):
+        with pytest.raises(ValueError, match="does not support containers that do not implement "
+                                             "forward"):
+            fully_shard(container, mesh=mesh)
+
+    class Looping(nn.ModuleList):  # a container with a forward of its own is fine
+        def forward(self, x):
+            for m in self:
+                x = m(x)
+            return x
+    looping = fully_shard(Looping([nn.Linear(2, 2)]), mesh=mesh)
+    assert isinstance(looping, FSDPModule)
+
+
+# ----------------------------------------------------------------------------- tp
+@distributed(world_size=2)
+def test_parallelize_module_without_a_plan_warns_and_does_nothing():
+    from tp import ColwiseParallel, parallelize_module
+    mesh = init_device_mesh("cpu", (2,))
+    m = nn.Linear(4, 4)
+    w = m.weight.detach().clone()
+    for args in ((mesh, None), (mesh,)):
+        with pytest.warns(UserWarning, match="No parallelize_plan is provided"):
+            assert parallelize_module(m, *args) is m
+    assert type(m.weight) is nn.Parameter and torch.equal(m.weight, w)
+    with mesh:  # the mesh of a ``with mesh:`` block is parallelize_module's default
+        parallelize_module(m, parallelize_plan=ColwiseParallel())
+    assert m.weight.device_mesh is mesh and m.weight.placements == (Shard(0),)
