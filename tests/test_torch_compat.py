@@ -254,3 +254,131 @@ def test_parallelize_module_without_a_plan_warns_and_does_nothing():
     with mesh:  # the mesh of a ``with mesh:`` block is parallelize_module's default
         parallelize_module(m, parallelize_plan=ColwiseParallel())
     assert m.weight.device_mesh is mesh and m.weight.placements == (Shard(0),)
+
+
+# ----------------------------------------------------------------------------- CommDebugMode
+class _MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w1, self.w2 = nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def forward(self, x):
+        return self.w2(torch.relu(self.w1(x)))
+
+
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.mlp, self.out = _MLP(), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.out(self.mlp(x))
+
+
+def _module_counts(mode):
+    return {fqn: {phase: dict(c) for phase, c in phases.items()}
+            for fqn, phases in mode.comm_module_counts.items()}
+
+
+@distributed(world_size=4)
+def test_comm_debug_mode_keys_and_module_counts_match_torchs():
+    """The same TP model and the same redistributes under torch's CommDebugMode and ours: equal
+    counts under torch's keys (funcol ops) and equal per-module forward/backward counts; a
+    second entry of one mode object counts from zero."""
+    import torch.distributed.tensor as tdt
+    import torch.distributed.tensor.parallel as ttp
+    from torch.distributed.device_mesh import init_device_mesh as torch_init_device_mesh
+    from torch.distributed.tensor.debug import CommDebugMode as TorchCommDebugMode
+    import tp
+    funcol_ops = torch.ops.c10d_functional
+
+    ref = _Net()
+    ours, theirs = copy.deepcopy(ref), copy.deepcopy(ref)
+    mesh, tmesh = init_device_mesh("cpu", (4,)), torch_init_device_mesh("cpu", (4,))
+    plan = {"mlp.w1": "ColwiseParallel", "mlp.w2": "RowwiseParallel"}
+    tp.parallelize_module(ours, mesh, {k: getattr(tp, v)() for k, v in plan.items()})
+    ttp.parallelize_module(theirs, tmesh, {k: getattr(ttp, v)() for k, v in plan.items()})
+    x = torch.randn(3, 8, requires_grad=True)
+    modes = {}
+    for name, model, mode in (("ours", ours, CommDebugMode()),
+                              ("torch", theirs, TorchCommDebugMode())):
+        for _ in range(2):  # entered twice: the second run alone is counted
+            with mode:
+                model(x).sum().backward()
+        modes[name] = mode
+    mine, torchs = modes["ours"], modes["torch"]
+    assert mine.get_comm_counts() == {"all_reduce": 2}          # our keys
+    assert mine.get_comm_counts() == dict(torchs.get_comm_counts())  # torch's keys
+    assert mine.get_comm_counts()[funcol_ops.all_reduce] == 2
+    assert mine.get_comm_counts()[torch.ops._c10d_functional.all_reduce.default] == 2
+    assert mine.get_comm_counts()[funcol_ops.all_gather_into_tensor] == 0
+    assert funcol_ops.all_reduce in mine.get_comm_counts()
+    assert mine.get_total_counts() == torchs.get_total_counts() == 2
+    ours_by_module = _module_counts(mine)
+    theirs_by_module = _module_counts(torchs)
+    assert set(ours_by_module) == set(theirs_by_module) == {
+        "Global", "_Net", "_Net.mlp", "_Net.mlp.w1", "_Net.mlp.w2"}
+    for fqn, phases in theirs_by_module.items():
+        for phase, counts in phases.items():
+            assert mine.comm_module_counts[fqn][phase] == counts, (fqn, phase)
+    assert ours_by_module["_Net.mlp.w2"] == {"forward": {"all_reduce": 1}, "backward": {}}
+    assert ours_by_module["_Net.mlp.w1"] == {"forward": {}, "backward": {"all_reduce": 1}}
+    assert {k: str(v) for k, v in mine.get_sharding_info().items()} == {
+        k: str(v) for k, v in torchs.get_sharding_info().items()}
+
+    # redistributes: the same keys and counts as torch's DTensor
+    mesh2, tmesh2 = init_device_mesh("cpu", (2, 2)), torch_init_device_mesh("cpu", (2, 2))
+    g = torch.randn(16, 12)
+    cases = [([Shard(0), Shard(1)], [Replicate(), Replicate()]),
+             ([Partial(), Replicate()], [Replicate(), Replicate()]),
+             ([Partial(), Shard(1)], [Shard(0), Shard(1)]),
+             ([Replicate(), Replicate()], [Shard(0), Shard(1)]),
+             ([Shard(0), Replicate()], [Replicate(), Replicate()]),
+             ([Partial(), Replicate()], [Shard(0), Replicate()])]
+    # (not compared: Shard(0) -> Shard(1), where torch's gloo path all-gathers and ours sends
+    # only the pieces with one all_to_all, counted as torch's all_to_all_single and its
+    # _dtensor.shard_dim_alltoall)
+    to_torch = {Shard: lambda p: tdt.Shard(p.dim), Replicate: lambda p: tdt.Replicate(),
+                Partial: lambda p: tdt.Partial(p.reduce_op)}
+    for src, dst in cases:
+        d = distribute_tensor(g, mesh2, [Replicate(), Replicate()]).redistribute(mesh2, src)
+        t = tdt.DTensor.from_local(d.to_local(), tmesh2, [to_torch[type(p)](p) for p in src],
+                                   shape=g.shape, stride=g.stride())
+        with CommDebugMode() as c:  # apart: torch's mode would see our c10d calls too
+            d.redistribute(mesh2, dst)
+        with TorchCommDebugMode() as tc:
+            t.redistribute(tmesh2, [to_torch[type(p)](p) for p in dst])
+        assert c.get_comm_counts() == dict(tc.get_comm_counts()), (src, dst)
+        assert c.get_total_counts() == tc.get_total_counts()
+    with CommDebugMode() as c:
+        distribute_tensor(g, mesh2, [Shard(0), Replicate()]).redistribute(
+            mesh2, [Shard(1), Replicate()])
+    assert c.get_comm_counts()[torch.ops._dtensor.shard_dim_alltoall] == \
+        c.get_comm_counts()[funcol_ops.all_to_all_single] == c.get_comm_counts()["all_to_all"] > 0
+    assert repr(mine) == "CommDebugMode(get_total_counts()=2)"
+
+
+@distributed(world_size=2)
+def test_comm_debug_mode_fsdp_counts_under_torchs_c10d_keys():
+    """torch's FSDP issues c10d collectives: its tests count c10d._allgather_base_ and
+    c10d._reduce_scatter_base_; our FSDP's collectives answer those keys (not funcol's)."""
+    from fsdp import fully_shard
+    c10d = torch.ops.c10d
+    mesh = init_device_mesh("cpu", (2,))
+    model = _Net()
+    fully_shard(model.mlp, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    with CommDebugMode() as comm:
+        model(torch.randn(3, 8)).sum().backward()
+    counts = comm.get_comm_counts()
+    # the root keeps its parameters after forward; mlp's are gathered again for backward
+    assert counts == {"all_gather": 3, "reduce_scatter": 2}
+    assert counts[c10d._allgather_base_] == 3 and counts[c10d._reduce_scatter_base_] == 2
+    assert counts[torch.ops.c10d_functional.all_gather_into_tensor] == 0
+    by_module = _module_counts(comm)
+    assert by_module["Global"] == {"forward": {"all_gather": 2},
+                                   "backward": {"all_gather": 1, "reduce_scatter": 2}}
+    # names as torch's: the root's class name after fully_shard's class swap
+    assert by_module["FSDP_Net"] == by_module["Global"]
+    assert by_module["FSDP_Net.mlp"] == {"forward": {"all_gather": 1},
+                                         "backward": {"reduce_scatter": 2}}
