@@ -158,7 +158,8 @@ class CommDebugMode:
         self.comm_bytes: dict[str, int] = defaultdict(int)
         self.per_module_counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
         # torch's: {fqn: {"forward": CommCounts, "backward": CommCounts}}, "Global" holding all
-        self.comm_module_counts: dict[str, dict[str, CommCounts]] = {}
+        self.comm_module_counts: dict[str, dict[str, CommCounts]] = {
+            "Global": {"forward": CommCounts(), "backward": CommCounts()}}
         # (kind, bytes, group size, module fqn, mesh dim name)
         self.calls: list[tuple[str, int, int, str, str]] = []
         self.records: list[CommRecord] = []

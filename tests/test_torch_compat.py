@@ -382,3 +382,57 @@ def test_comm_debug_mode_fsdp_counts_under_torchs_c10d_keys():
     assert by_module["FSDP_Net"] == by_module["Global"]
     assert by_module["FSDP_Net.mlp"] == {"forward": {"all_gather": 1},
                                          "backward": {"reduce_scatter": 2}}
+
+
+# ----------------------------------------------------------------------------- norms
+@distributed(world_size=2)
+def test_sequence_parallel_norm_backward_every_requires_grad_combination():
+    """Embedding (rowwise, output Shard(1)) -> LayerNorm / RMSNorm (SequenceParallel) -> Linear
+    (colwise, input Shard(1)), with and without affine, normalising the last dim (and for
+    affine LayerNorm the last two, the sharded sequence dim among them), for every
+    requires_grad pattern of the three modules: outputs and every gradient equal one
+    process's."""
+    import itertools
+    from tp import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+    mesh = init_device_mesh("cpu", (2,))
+    batch, seq, emb, vocab = 4, 6, 5, 16
+
+    class Block(nn.Module):
+        def __init__(self, norm, shape, affine):
+            super().__init__()
+            self.emb = nn.Embedding(vocab, emb)
+            self.norm = norm(shape, elementwise_affine=affine)
+            self.lin = nn.Linear(emb, emb)
+
+        def forward(self, tokens):
+            return self.lin(self.norm(self.emb(tokens)))
+
+    plan = {"emb": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "norm": SequenceParallel(),
+            "lin": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}
+    checked = 0
+    for norm, multidim, affine, *grads in itertools.product(
+            (nn.LayerNorm, nn.RMSNorm), (False, True), (False, True), *[(False, True)] * 3):
+        wants = dict(zip(("emb", "norm", "lin"), grads))
+        if (wants["norm"] and not affine) or not any(grads):
+            continue
+        if multidim and (norm is nn.RMSNorm or not affine):  # time: one multidim family
+            continue
+        torch.manual_seed(checked)
+        ref = Block(norm, (seq, emb) if multidim else (emb,), affine)
+        model = parallelize_module(copy.deepcopy(ref), mesh, plan)
+        for m in (ref, model):
+            for name, p in m.named_parameters():
+                p.requires_grad_(wants[name.split(".")[0]])
+        tokens = torch.randint(vocab, (batch, seq))
+        out, expect = model(tokens), ref(tokens)
+        torch.testing.assert_close(out, expect)
+        out.sum().backward()
+        expect.sum().backward()
+        for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+            assert (p.grad is None) == (q.grad is None), name
+            if q.grad is not None:
+                torch.testing.assert_close(p.grad.full_tensor(), q.grad, msg=lambda m: (
+                    f"{norm.__name__} multidim={multidim} affine={affine} {wants} {name}: {m}"))
+        checked += 1
+    assert checked == 27
