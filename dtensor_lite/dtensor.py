@@ -91,6 +91,19 @@ class DTensor(torch.Tensor):
         spec, requires_grad = flatten_spec
         return DTensor(inner_tensors["_local_tensor"], spec, requires_grad=requires_grad)
 
+    def __coerce_same_metadata_as_tangent__(self, flatten_spec, expected_type=None):
+        """torch.compile's backward guessed each output gradient's layout (its spec) while
+        tracing; a gradient that arrives laid out otherwise (a Replicate gradient of a Partial
+        or Shard output) is redistributed to the guessed layout -- no data moves for those two
+        (Replicate -> Partial keeps coordinate 0's value, Replicate -> Shard slices)."""
+        if expected_type is not None:
+            return None  # a different tensor type expected: torch's protocol says "cannot"
+        spec = flatten_spec[0]
+        if spec.placements == self._spec.placements and spec.shard_order == self._spec.shard_order:
+            return self
+        target = DTensorSpec(spec.mesh, spec.placements, self._spec.tensor_meta, spec.shard_order)
+        return _redistributed(self, target, False)
+
     def __reduce_ex__(self, protocol):
         return (_rebuild_dtensor, (self._local_tensor, self._spec, self.requires_grad))
 

@@ -436,3 +436,49 @@ def test_sequence_parallel_norm_backward_every_requires_grad_combination():
                     f"{norm.__name__} multidim={multidim} affine={affine} {wants} {name}: {m}"))
         checked += 1
     assert checked == 27
+
+
+# ----------------------------------------------------------------------------- torch.compile
+def _gelu_sum(x, w):       # Partial(sum) scalar: x Shard(0) @ w, summed over the sharded rows
+    return torch.nn.functional.gelu(x @ w).sum()
+
+
+def _gelu_rows(x, w):      # Shard(0)
+    return torch.nn.functional.gelu(x @ w)
+
+
+def _gram(x, w):           # Partial(sum) matrix: the sharded dim contracted
+    return x.t() @ torch.nn.functional.gelu(x @ w)
+
+
+def _replicated(x, w):     # Replicate (inputs replicated)
+    return torch.tanh(x @ w) * 2
+
+
+@distributed(world_size=2)
+def test_fullgraph_compiled_partial_shard_replicate_outputs_match_eager():
+    """torch.compile(fullgraph=True) of DTensor functions whose outputs are Partial, Shard and
+    Replicate: forward placements and values, and backward gradients, equal eager's. (The
+    backward of a Partial output needs __coerce_same_metadata_as_tangent__: the compiled
+    backward guessed the gradient's layout, and a Replicate gradient arrives.)"""
+    mesh = init_device_mesh("cpu", (2,))
+    x0, w0 = torch.randn(8, 6), torch.randn(6, 4)
+    cases = [(_gelu_sum, Shard(0), (Partial(),)), (_gelu_rows, Shard(0), (Shard(0),)),
+             (_gram, Shard(0), (Partial(),)), (_replicated, Replicate(), (Replicate(),))]
+    for fn, x_placement, out_placements in cases:
+        results = []
+        for compiled in (False, True):
+            torch._dynamo.reset()
+            x = distribute_tensor(x0, mesh, [x_placement]).requires_grad_()
+            w = distribute_tensor(w0, mesh, [Replicate()]).requires_grad_()
+            f = torch.compile(fn, fullgraph=True, backend="aot_eager") if compiled else fn
+            y = f(x, w)
+            assert y.placements == out_placements, (fn.__name__, compiled, y.placements)
+            (y if y.ndim == 0 else (y * y).sum()).backward()
+            results.append([y.full_tensor(), x.grad.full_tensor(), w.grad.full_tensor()])
+        xr, wr = x0.clone().requires_grad_(), w0.clone().requires_grad_()
+        ref = fn(xr, wr)
+        (ref if ref.ndim == 0 else (ref * ref).sum()).backward()
+        for eager, comp, plain in zip(*results, [ref, xr.grad, wr.grad]):
+            torch.testing.assert_close(comp, eager, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(eager, plain, rtol=1e-5, atol=1e-6)
