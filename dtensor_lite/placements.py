@@ -89,6 +89,16 @@ class Shard(Placement):
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
 
+    @staticmethod
+    def local_shard_size_and_offset(curr_local_size: int, num_chunks: int,
+                                    rank: int) -> tuple[int, int]:
+        """torch's: (size, offset) of piece ``rank`` of ``num_chunks`` of a dim of
+        ``curr_local_size`` (``torch.chunk``; an empty piece sits at the end).
+        ``Shard.local_shard_size_and_offset(7, 4, 3)`` is ``(1, 6)``."""
+        from .spec import chunk_range  # spec builds on placements
+        start, size = chunk_range(curr_local_size, num_chunks, rank)
+        return size, start
+
     def __eq__(self, other):
         return type(other) is Shard and other.dim == self.dim
 
@@ -173,6 +183,8 @@ class Partial(Placement):
     """
 
     __slots__ = ("reduce_op",)
+    LINEAR_REDUCE_OPS = LINEAR_REDUCE_OPS  # torch's class attributes
+    ALL_REDUCE_OPS = REDUCE_OPS
 
     def __init__(self, reduce_op: str = "sum"):
         reduce_op = _REDUCE_OP_ALIASES.get(reduce_op, reduce_op)
