@@ -267,12 +267,17 @@ def _mesh_of(op, dts):
     return mesh
 
 
+# ops answered from shapes alone: a plain tensor among their arguments is no ambiguity (torch's
+# ``is_same_size(dtensor, tensor)`` compares the global shape with the tensor's)
+_SHAPE_ONLY_OPS = (torch.ops.aten.is_same_size.default,)
+
+
 def _spec_args(op, args, kwargs):
     """Args with DTensors replaced by their specs; plain non-scalar tensors are an error."""
     def conv(a):
         if isinstance(a, DTensor):
             return a._spec
-        if isinstance(a, torch.Tensor) and a.ndim > 0:
+        if isinstance(a, torch.Tensor) and a.ndim > 0 and op not in _SHAPE_ONLY_OPS:
             # not a TypeError: Tensor.__add__ & co turn TypeErrors into NotImplemented, which
             # Python then reports as a bare "unsupported operand" without this explanation
             raise ValueError(

@@ -4,8 +4,10 @@ Two things are derived here rather than assumed, because getting them wrong is s
 gradients) or fatal (ranks entering different collectives):
 
 * the layout of each input's *gradient* (see ``derive_grad_placements``), and
-* the global shape of each Shard output, decided from global metadata only (``out_shape=`` or
-  an exchange of the local shapes that every rank makes).
+* the global shape of each Shard output, the same on every rank: ``out_shape=`` (no
+  communication), else an input laid out like the output if every rank's piece fits it (the
+  ranks agree on that with one 1-element all-reduce per mesh dim), else an exchange of the
+  local shapes that every rank makes.
 
 Signature and spellings follow ``torch.distributed.tensor.experimental.local_map``.
 """
@@ -49,11 +51,11 @@ def local_map(func: Callable | None = None, out_placements=None, in_placements=N
       has no single layout: give its entry explicitly (an error says so).
     * ``out_shape``: the global shape of the output (or a tuple, one per flattened output, None
       where not needed). Outputs without Shard need none (global = local). Without it, a Shard
-      output takes the global shape of the first input with the same placements (no
-      communication; a rank whose piece does not fit raises, asking for ``out_shape``), and if
-      no input has them, every rank exchanges its local shape (a few small collectives, the
-      same on every rank, uneven pieces welcome). The choice depends on placements only, so
-      every rank takes the same branch.
+      output takes the global shape of the first input with the same placements if every
+      rank's piece fits it (one 1-element all-reduce per mesh dim decides that together), and
+      otherwise every rank exchanges its local shape (a few small collectives, uneven pieces
+      welcome): the right global shape on every rank, or the same error on every rank. Pass
+      ``out_shape`` to communicate nothing.
     * ``device_mesh``: defaults to the first DTensor argument's mesh.
 
     Keyword arguments are passed through, their DTensors as local tensors (gradient layout
@@ -197,6 +199,15 @@ def _wrap_outputs(out, out_placements, out_shape, mesh, fname: str, inputs):
     return tree_unflatten(wrapped, tree)
 
 
+def _everywhere(ok: bool, mesh) -> bool:
+    """``ok`` on every rank of ``mesh`` (the same answer on every rank)."""
+    from .collectives import all_reduce
+    flag = torch.tensor([int(ok)], device=mesh.device_type)
+    for i in range(mesh.ndim):
+        flag = all_reduce(flag, mesh, i, "min")
+    return bool(flag.item())
+
+
 def _wrap_one(o, placements, shape, mesh, fname: str, j: int, inputs):
     what = f"{fname} output {j}"
     if isinstance(o, DTensor):
@@ -213,12 +224,21 @@ def _wrap_one(o, placements, shape, mesh, fname: str, j: int, inputs):
         # exchanges its local shape.
         like = next(((k, dt) for k, dt in inputs
                      if dt.placements == placements and dt.ndim == o.ndim), None)
-        if like is not None:
-            shape, source = like[1].shape, f"input {like[0]} (laid out {list(placements)})"
-        else:
-            with comm_cause(fname, "out_shape"):
-                return DTensor.from_local(o, mesh, placements, shape=checked_global_shape(
-                    o, mesh, placements, what=f"local_map: {what}"))
+        with comm_cause(fname, "out_shape"):
+            if like is not None:
+                # the likely shape, but whether each rank's piece fits it is each rank's own
+                # knowledge: the ranks agree on it (one 1-element all-reduce per mesh dim) so
+                # that none keeps a DTensor of the wrong global shape while another raises
+                try:
+                    out = DTensor.from_local(o, mesh, placements, shape=like[1].shape)
+                except ValueError:
+                    out = None
+                if _everywhere(out is not None, mesh):
+                    return out
+            # the ranks exchange their local shapes: the right global shape on every rank, or
+            # the same error on every rank where the pieces form none
+            return DTensor.from_local(o, mesh, placements, shape=checked_global_shape(
+                o, mesh, placements, what=f"local_map: {what}"))
     if shape is None:
         return DTensor.from_local(o, mesh, placements)  # no Shard: global = local
     try:

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from . import collectives as C
 from .device_mesh import DeviceMesh
-from .dtensor import DTensor, _default_mesh
+from .dtensor import DTensor, _given_or_current_mesh
 from .spec import DTensorSpec, TensorMeta, contiguous_stride, local_piece, normalize_placements
 
 __all__ = ["distribute_tensor", "distribute_module", "zeros", "ones", "empty", "full", "rand",
@@ -56,7 +56,7 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
     if isinstance(tensor, DTensor):
         raise ValueError("distribute_tensor got a DTensor; use .redistribute(mesh, placements) "
                          "to change its placements")
-    mesh = device_mesh if device_mesh is not None else _default_mesh(tensor)
+    mesh = _given_or_current_mesh(device_mesh, tensor)
     placements = normalize_placements(placements, mesh, tensor.ndim)
     if tensor.device.type != mesh.device_type and tensor.device.type != "meta":
         tensor = tensor.to(mesh.device_type)
@@ -130,7 +130,9 @@ def distribute_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
 
     ``partition_fn(name, submodule, mesh)`` distributes each submodule's parameters as it likes;
     whatever it leaves as a plain tensor is replicated. ``input_fn(module, inputs, mesh)`` and
-    ``output_fn(module, outputs, mesh)`` run before / after forward (e.g. to shard inputs).
+    ``output_fn(module, outputs, mesh)`` run before / after forward (e.g. to shard inputs);
+    torch's older two-argument ``input_fn(inputs, mesh)`` / ``output_fn(outputs, mesh)`` work
+    too, with torch's ``FutureWarning``. Without ``device_mesh``: the ``with mesh:`` block's.
 
     Example::
 
@@ -139,10 +141,7 @@ def distribute_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
         ...         mod.weight = nn.Parameter(distribute_tensor(mod.weight, mesh, [Shard(0)]))
         >>> distribute_module(model, mesh, shard_linear)
     """
-    mesh = device_mesh
-    if mesh is None:
-        first = next(iter(module.parameters()), torch.empty(0))
-        mesh = _default_mesh(first)
+    mesh = _given_or_current_mesh(device_mesh, next(iter(module.parameters()), torch.empty(0)))
     if getattr(module, "_dtensor_lite_distributed", False):
         raise RuntimeError(f"distribute_module was already applied to {type(module).__name__}; "
                            "apply it once per module")
@@ -151,11 +150,30 @@ def distribute_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
             partition_fn(name, sub, mesh)
         _replicate_leftovers(sub, mesh)
     if input_fn is not None:
-        module.register_forward_pre_hook(lambda mod, inputs: input_fn(mod, inputs, mesh))
+        fn = _with_module_arg(input_fn, "input_fn", "inputs")
+        module.register_forward_pre_hook(lambda mod, inputs: fn(mod, inputs, mesh))
     if output_fn is not None:
-        module.register_forward_hook(lambda mod, inputs, outputs: output_fn(mod, outputs, mesh))
+        fn_out = _with_module_arg(output_fn, "output_fn", "outputs")
+        module.register_forward_hook(lambda mod, inputs, outputs: fn_out(mod, outputs, mesh))
     module._dtensor_lite_distributed = True
     return module
+
+
+def _with_module_arg(fn: Callable, name: str, what: str) -> Callable:
+    """distribute_module's ``fn(module, {what}, mesh)``; torch's older ``fn({what}, mesh)`` is
+    still accepted with its FutureWarning; other arities raise ValueError (as torch's)."""
+    import inspect
+    import warnings
+    n = len(inspect.signature(fn).parameters)
+    if n == 3:
+        return fn
+    if n == 2:
+        warnings.warn(f"Deprecating {name} that takes two arguments ({what}, device_mesh), please "
+                      f"use {name} that takes in (module, {what}, device_mesh) instead!",
+                      FutureWarning, stacklevel=3)
+        return lambda mod, value, mesh: fn(value, mesh)
+    raise ValueError(f"distribute_module: {name} should take in 3 arguments (module, {what}, "
+                     f"device_mesh), but got {n} arguments!")
 
 
 def _replicate_leftovers(sub: nn.Module, mesh: DeviceMesh):
@@ -176,7 +194,7 @@ def _factory(fill: Callable, size, *, dtype, layout, requires_grad, device_mesh,
         size = tuple(size[0])
     shape = torch.Size(size)
     dtype = dtype or torch.get_default_dtype()
-    mesh = device_mesh if device_mesh is not None else _default_mesh(torch.empty(0))
+    mesh = _given_or_current_mesh(device_mesh, torch.empty(0))
     placements = normalize_placements(placements, mesh, len(shape))
     spec = DTensorSpec(mesh, placements, TensorMeta(shape, contiguous_stride(shape), dtype))
     device = torch.device(mesh.device_type, torch.cuda.current_device()) \

@@ -43,7 +43,7 @@ _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 _REDUCE = {"sum": dist.ReduceOp.SUM, "avg": dist.ReduceOp.SUM,
-           "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
+           "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN, "product": dist.ReduceOp.PRODUCT}
 
 
 def all_reduce_cost(numel: int, itemsize: int, n: int) -> int:
@@ -236,7 +236,7 @@ def _traced(kind: str, x: torch.Tensor, dg, *args):
     return f.wait_tensor(out)
 
 
-_TRACED_OP = {"sum": "sum", "avg": "sum", "max": "max", "min": "min"}  # avg: sum, then divide
+_TRACED_OP = {"sum": "sum", "avg": "sum", "max": "max", "min": "min", "product": "product"}  # avg: sum, then divide
 
 
 def _chunks_to_coord_order(out: torch.Tensor, dg) -> torch.Tensor:

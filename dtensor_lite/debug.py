@@ -25,6 +25,8 @@ from typing import NamedTuple
 
 import torch
 
+from ._comm_counts import CommCounts
+
 __all__ = ["CommDebugMode", "CommRecord", "check_collectives", "comm_cause", "ExposedCommMode", "ExplicitRedistributionContext",
            "strict_redistribute", "FallbackRedistributeWarning", "ImplicitRedistributionError",
            "reset_fallback_warnings", "MemoryTracker", "propagate_failures", "RankFailedError",
@@ -124,7 +126,11 @@ def comm_debug_active() -> bool:
 class CommDebugMode:
     """Context manager recording count and bytes-per-rank of each collective type.
 
-    ``get_comm_counts()`` -> ``{kind: count}``; ``get_comm_bytes()`` -> ``{kind: bytes}``;
+    ``get_comm_counts()`` -> ``{kind: count}``, which also answers torch's keys:
+    ``counts[torch.ops.c10d_functional.all_reduce]`` (see :mod:`._comm_counts` for the mapping;
+    FSDP's collectives count as the c10d ops torch's FSDP issues); ``comm_module_counts`` ->
+    ``{module fqn: {"forward": counts, "backward": counts}}`` as torch's (``"Global"``: all);
+    ``get_comm_bytes()`` -> ``{kind: bytes}``;
     ``get_per_module_comm_counts()`` -> ``{module_fqn: {kind: count}}`` for collectives issued
     inside a module's forward (``"Global"`` holds everything);
     ``get_comm_bytes_by_mesh_dim()`` -> ``{mesh dim name: {kind: bytes}}``;
@@ -134,24 +140,38 @@ class CommDebugMode:
     Kinds: ``all_gather``, ``reduce_scatter``, ``all_reduce``, ``all_to_all`` (uneven
     ``all_to_all_single`` too), ``broadcast``, ``scatter``, and the point-to-point ``ring_shift``
     and ``send_recv`` (bytes this rank sends).
+
+    Entering the mode again starts from zero (as torch's). Also torch's
+    ``get_parameter_info()`` / ``get_sharding_info()`` (the parameters of the modules that ran
+    forward inside it) and ``generate_comm_debug_tracing_table()`` /
+    ``log_comm_debug_tracing_table_to_file()`` / ``generate_json_dump()`` (per-module counts;
+    no per-op listing).
     """
 
     def __init__(self):
-        self.comm_counts: dict[str, int] = defaultdict(int)
+        self._reset()
+        self._names: dict[int, str] = {}
+        self._hooks = []
+
+    def _reset(self):
+        self.comm_counts = CommCounts()
         self.comm_bytes: dict[str, int] = defaultdict(int)
         self.per_module_counts: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+        # torch's: {fqn: {"forward": CommCounts, "backward": CommCounts}}, "Global" holding all
+        self.comm_module_counts: dict[str, dict[str, CommCounts]] = {
+            "Global": {"forward": CommCounts(), "backward": CommCounts()}}
         # (kind, bytes, group size, module fqn, mesh dim name)
         self.calls: list[tuple[str, int, int, str, str]] = []
         self.records: list[CommRecord] = []
         self.mesh_dim_ranks: dict[str, set[tuple[int, ...]]] = defaultdict(set)  # groups seen
         self._module_stack: list[str] = []
-        self._names: dict[int, str] = {}
-        self._hooks = []
+        self._parameter_info: dict[str, dict[str, torch.Tensor]] = {}
+        self._sharding_info: dict[str, tuple] = {}
 
     # -- recording
     def _add(self, kind: str, nbytes: int, group_size: int, mesh_dim: str = "?",
              ranks: tuple[int, ...] = (), op: str = UNATTRIBUTED, input=None):
-        self.comm_counts[kind] += 1
+        self.comm_counts._add(kind, op)
         self.comm_bytes[kind] += nbytes
         fqn = self._module_stack[-1] if self._module_stack else "Global"
         self.calls.append((kind, nbytes, group_size, fqn, mesh_dim))
@@ -160,10 +180,58 @@ class CommDebugMode:
         self.per_module_counts["Global"][kind] += 1
         for name in dict.fromkeys(self._module_stack):  # every enclosing module, once
             self.per_module_counts[name][kind] += 1
+        # forward: the modules whose forward is running (our stack); backward: the modules whose
+        # backward is running, as torch's ModTracker follows them through autograd
+        tracker = self._tracker
+        if tracker is not None and tracker.is_bw:
+            phase, modules = "backward", ["Global", *sorted(tracker.parents - {"Global"})]
+        else:
+            phase, modules = "forward", ["Global", *dict.fromkeys(self._module_stack)]
+        for name in modules:
+            entry = self.comm_module_counts.get(name)
+            if entry is None:
+                entry = self.comm_module_counts[name] = {"forward": CommCounts(),
+                                                         "backward": CommCounts()}
+            entry[phase]._add(kind, op)
 
     # -- queries
-    def get_comm_counts(self) -> dict[str, int]:
-        return dict(self.comm_counts)
+    def get_comm_counts(self) -> CommCounts:
+        return CommCounts(self.comm_counts, self.comm_counts.by_torch_op())
+
+    def get_parameter_info(self) -> dict[str, dict[str, torch.Tensor]]:
+        """torch's: ``{module fqn: {parameter name: parameter data}}`` for the modules whose
+        forward ran inside this mode."""
+        return self._parameter_info
+
+    def get_sharding_info(self) -> dict[str, tuple]:
+        """torch's: ``{"<module fqn>.<parameter name>": placements}`` for their DTensor
+        parameters."""
+        return self._sharding_info
+
+    def generate_comm_debug_tracing_table(self, noise_level: int = 3) -> str:
+        """Per-module collective counts, forward and backward, as text (torch's name; the
+        noise level is accepted for its signature: there is no per-op listing here)."""
+        lines = []
+        for fqn, phases in self.comm_module_counts.items():
+            depth = 0 if fqn == "Global" else fqn.count(".") + 1
+            lines.append("  " * depth + fqn)
+            for phase in ("forward", "backward"):
+                for kind, count in sorted(phases[phase].items()):
+                    lines.append("  " * (depth + 1) + f"{phase} {kind}: {count}")
+        return "\n".join(lines)
+
+    def log_comm_debug_tracing_table_to_file(self, file_name: str = "comm_mode_log.txt",
+                                             noise_level: int = 3) -> None:
+        with open(file_name, "w") as f:
+            f.write(self.generate_comm_debug_tracing_table(noise_level))
+
+    def generate_json_dump(self, file_name: str = "comm_mode_log.json",
+                           noise_level: int = 3) -> None:
+        """``comm_module_counts`` as JSON: ``{fqn: {"forward": {kind: n}, "backward": ...}}``."""
+        import json
+        with open(file_name, "w") as f:
+            json.dump({fqn: {phase: dict(c) for phase, c in phases.items()}
+                       for fqn, phases in self.comm_module_counts.items()}, f, indent=2)
 
     def get_comm_bytes(self) -> dict[str, int]:
         return dict(self.comm_bytes)
@@ -230,6 +298,13 @@ class CommDebugMode:
             else:
                 name = f"{self._module_stack[-1]}.<{type(module).__name__}>"
         self._module_stack.append(name)
+        if name not in self._parameter_info:
+            params = dict(module.named_parameters(recurse=False))
+            if params:
+                self._parameter_info[name] = {k: p.data for k, p in params.items()}
+                for k, p in params.items():
+                    if hasattr(p, "placements"):
+                        self._sharding_info[f"{name}.{k}"] = p.placements
         if id(module) not in self._exit_hooks:
             # the module leaves the stack after its *own* forward hooks, not before them (as a
             # global forward hook would): what a module's output hook sends -- a tensor-parallel
@@ -242,8 +317,11 @@ class CommDebugMode:
             self._module_stack.pop()
 
     def __enter__(self):
+        from torch.distributed._tools.mod_tracker import ModTracker
+        self._reset()  # as torch's: each entry counts from zero
         self._hooks = [torch.nn.modules.module.register_module_forward_pre_hook(self._pre_forward)]
         self._exit_hooks = {}
+        self._tracker = ModTracker().__enter__()
         _ACTIVE.append(self)
         return self
 
@@ -253,7 +331,14 @@ class CommDebugMode:
             h.remove()
         self._hooks = []
         self._exit_hooks = {}
+        self._tracker.__exit__()
+        self._tracker = None
         return False
+
+    _tracker = None  # torch's ModTracker while the mode is entered: which module runs backward
+
+    def __repr__(self):
+        return f"CommDebugMode(get_total_counts()={self.get_total_counts()})"
 
 
 # ---------------------------------------------------------------- implicit redistributes

@@ -13,6 +13,7 @@ from typing import Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh as _TorchDeviceMesh
 
 from . import _caches, _failures
 
@@ -410,6 +411,8 @@ class DeviceMesh:
         are this dim's ranks in order, reshaped (row-major) to ``mesh_sizes``. Like torch, the
         original mesh does not learn the new names: slice the returned mesh. Groups already
         built for the same rows are reused, so unflattening twice costs no new groups.
+        ``backend_override``: as ``init_device_mesh``'s, keyed by the new dims (index into
+        ``mesh_sizes`` or name); the other dims keep this mesh's overrides.
 
         Example::
 
@@ -418,12 +421,10 @@ class DeviceMesh:
             >>> mesh["dp_shard", "tp"].shape
             (2, 2)
         """
-        if backend_override is not None:
-            raise NotImplementedError(
-                "DeviceMesh._unflatten(backend_override=...) is not supported: every dim's group "
-                "uses the default group's backend; call it without backend_override")
         i = self._unflatten_dim(dim)
         sizes, names = _validate_unflatten(self, i, mesh_sizes, mesh_dim_names)
+        # keys name the new dims (index into mesh_sizes, or a name), as init_device_mesh's do
+        new_overrides = _backend_overrides(backend_override, len(sizes), names, self.device_type)
         root = self._root
         split = self._root_dims[i]
         others = [d for d in range(root._root_mesh.ndim) if d not in split]
@@ -431,9 +432,12 @@ class DeviceMesh:
         # order this mesh walks them) by the new sizes
         outer_shape = [root._root_mesh.shape[d] for d in others]
         new_root_tensor = root._root_mesh.permute(*others, *split).reshape(*outer_shape, *sizes)
-        new_root = DeviceMesh(self.device_type, new_root_tensor,
-                              mesh_dim_names=_unflatten_root_names(root, self, others, names))
         where = {d: k for k, d in enumerate(others)}
+        overrides = {(where[d],): v for (d,), v in root._backend_overrides.items() if d in where}
+        overrides.update({(len(others) + k,): v for (k,), v in new_overrides.items()})
+        new_root = DeviceMesh(self.device_type, new_root_tensor,
+                              mesh_dim_names=_unflatten_root_names(root, self, others, names),
+                              _backend_overrides=overrides)
         for flat_name, dims in root._flat_names.items():
             if all(d in where for d in dims):
                 new_root._flat_names[flat_name] = tuple(where[d] for d in dims)
@@ -446,7 +450,7 @@ class DeviceMesh:
                           _root_dims=root_dims)
 
     def unflatten(self, dim: int | str, mesh_sizes: Sequence[int],
-                  mesh_dim_names: Sequence[str]) -> "DeviceMesh":
+                  mesh_dim_names: Sequence[str], backend_override=None) -> "DeviceMesh":
         """Public spelling of ``_unflatten``: split one dim into several named dims.
 
         Example::
@@ -454,7 +458,7 @@ class DeviceMesh:
             >>> mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
             >>> mesh2d = mesh.unflatten("world", (2, 2), ("dp", "tp"))   # [[0, 1], [2, 3]]
         """
-        return self._unflatten(dim, mesh_sizes, mesh_dim_names)
+        return self._unflatten(dim, mesh_sizes, mesh_dim_names, backend_override)
 
     def _unflatten_dim(self, dim) -> int:
         if isinstance(dim, str):
@@ -468,16 +472,13 @@ class DeviceMesh:
 
     def to_torch(self):
         """This mesh as a ``torch.distributed.device_mesh.DeviceMesh`` over the *same* process
-        groups (no group is created; not collective). The one adapter for code that hands a mesh
-        to torch APIs which check for torch's class, e.g. functional collectives::
+        groups (no group is created; not collective), for torch APIs that need torch's class
+        itself rather than what its functional collectives read (those take our mesh, or
+        ``(mesh, dim)``, as is)::
 
-            >>> import torch.distributed._functional_collectives as funcol
-            >>> funcol.all_reduce(x, "sum", mesh["tp"].to_torch())
-            >>> funcol.all_gather_tensor(x, 0, (mesh.to_torch(), 1))
+            >>> torch_mesh = mesh["tp"].to_torch()
 
-        torch's ``isinstance`` checks accept only instances of its own class, so our mesh cannot
-        be passed as is without subclassing torch's (whose internals we do not share). As with
-        torch's own meshes, those collectives order ranks by group rank (sorted global ranks).
+        As with torch's own meshes, collectives order ranks by group rank (sorted global ranks).
         Unnamed N-D meshes get the names ``dim0, dim1, ...`` there. Cached per mesh.
         """
         groups = self.get_all_groups()  # raises for a mesh of a destroyed process group
@@ -494,6 +495,33 @@ class DeviceMesh:
                                                     mesh_dim_names=names)
         self.__dict__["_torch_mesh"] = torch_mesh  # dies with this mesh (and its groups)
         return torch_mesh
+
+    # ------------------------------------------------------ what torch's own code asks of a mesh
+    def __enter__(self) -> "DeviceMesh":
+        """``with mesh:`` (torch's): inside, calls given no ``device_mesh`` use this mesh
+        (``distribute_tensor``, ``DTensor.from_local``, the factories, ``distribute_module``,
+        ``parallelize_module``). Nests; the innermost wins."""
+        _CURRENT_MESHES.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _CURRENT_MESHES.pop()
+
+    @property
+    def __class__(self):
+        # torch's functional collectives (torch.distributed._functional_collectives, which
+        # third-party utilities such as torchtitan's dist_sum call with a mesh) accept a group
+        # only if ``isinstance(group, torch's DeviceMesh)``, and torch offers no registration
+        # for other mesh types. isinstance consults ``__class__`` after ``type()`` (the
+        # mechanism unittest.mock's spec objects use), so reporting torch's class there makes
+        # this mesh pass those checks while ``type(mesh)`` -- and every method -- stays ours;
+        # what funcol then reads of it is ``ndim``, ``get_group`` and ``_dim_group_names``.
+        return _TorchDeviceMesh
+
+    @property
+    def _dim_group_names(self) -> list[str]:
+        """Each dim's process group name (torch's attribute, read by functional collectives)."""
+        return [group.group_name for group in self.get_all_groups()]
 
     def _join(self, other: "DeviceMesh") -> "DeviceMesh":
         """This mesh's dims followed by ``other``'s, as one mesh (both sliced from one root).
@@ -563,6 +591,14 @@ class DeviceMesh:
     def __repr__(self):
         names = f", mesh_dim_names={self.mesh_dim_names}" if self.mesh_dim_names else ""
         return f"DeviceMesh('{self.device_type}', {self.mesh.tolist()}{names})"
+
+
+_CURRENT_MESHES: list[DeviceMesh] = []  # ``with mesh:`` blocks, innermost last
+
+
+def current_mesh() -> DeviceMesh | None:
+    """The mesh of the innermost ``with mesh:`` block, or None outside every one."""
+    return _CURRENT_MESHES[-1] if _CURRENT_MESHES else None
 
 
 def _rebuild_mesh(device_type, root_mesh, root_names, flat_names, root_dims, names):

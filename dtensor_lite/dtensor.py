@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .device_mesh import DeviceMesh
+from .device_mesh import DeviceMesh, _rebuild_mesh
 from .placements import Partial, Placement, Replicate, Shard, _StridedShard
 from .redistribute import redistribute_local, redistribute_target
 from .spec import (DTensorSpec, TensorMeta, contiguous_stride, normalize_placements,
@@ -92,6 +92,19 @@ class DTensor(torch.Tensor):
         spec, requires_grad = flatten_spec
         return DTensor(inner_tensors["_local_tensor"], spec, requires_grad=requires_grad)
 
+    def __coerce_same_metadata_as_tangent__(self, flatten_spec, expected_type=None):
+        """torch.compile's backward guessed each output gradient's layout (its spec) while
+        tracing; a gradient that arrives laid out otherwise (a Replicate gradient of a Partial
+        or Shard output) is redistributed to the guessed layout -- no data moves for those two
+        (Replicate -> Partial keeps coordinate 0's value, Replicate -> Shard slices)."""
+        if expected_type is not None:
+            return None  # a different tensor type expected: torch's protocol says "cannot"
+        spec = flatten_spec[0]
+        if spec.placements == self._spec.placements and spec.shard_order == self._spec.shard_order:
+            return self
+        target = DTensorSpec(spec.mesh, spec.placements, self._spec.tensor_meta, spec.shard_order)
+        return _redistributed(self, target, False)
+
     def __reduce_ex__(self, protocol):
         return (_rebuild_dtensor, (self._local_tensor, self._spec, self.requires_grad))
 
@@ -155,7 +168,7 @@ class DTensor(torch.Tensor):
         """
         if not isinstance(local_tensor, torch.Tensor) or isinstance(local_tensor, DTensor):
             raise TypeError(f"from_local needs a plain local torch.Tensor, got {type(local_tensor).__name__}")
-        mesh = device_mesh if device_mesh is not None else _default_mesh(local_tensor)
+        mesh = _given_or_current_mesh(device_mesh, local_tensor)
         placements = normalize_placements(placements, mesh, local_tensor.ndim)
         if local_tensor.device.type != mesh.device_type and local_tensor.device.type != "meta":
             local_tensor = local_tensor.to(mesh.device_type)
@@ -169,8 +182,10 @@ class DTensor(torch.Tensor):
                 if p.is_shard():
                     shape[p.dim] *= mesh.shape[i]
         shape = torch.Size(shape)
-        stride = tuple(stride) if stride is not None else contiguous_stride(shape)
-        spec = DTensorSpec(mesh, placements, TensorMeta(shape, stride, local_tensor.dtype))
+        if stride is None:
+            stride = contiguous_stride(shape) if outside or local_tensor.is_contiguous() else \
+                _strides_of_pieces(local_tensor, mesh, placements)
+        spec = DTensorSpec(mesh, placements, TensorMeta(shape, tuple(stride), local_tensor.dtype))
         if outside:  # a rank outside the mesh holds an empty piece, whatever it was given
             local_tensor = local_tensor.new_zeros(outside_shape(len(shape)))
         expected = spec.local_shape()
@@ -236,6 +251,26 @@ register_constants(DeviceMesh, DTensorSpec, Shard, _StridedShard, Replicate, Par
 
 def _rebuild_dtensor(local, spec, requires_grad):
     return DTensor(local, spec, requires_grad=requires_grad)
+
+
+# torch.load's default (weights_only=True) unpickles only allow-listed globals: list what a
+# pickled DTensor is made of, as torch lists its DTensor, DeviceMesh and placements, so a saved
+# DTensor or state dict loads without the caller allow-listing anything
+torch.serialization.add_safe_globals([_rebuild_dtensor, _rebuild_mesh, DTensorSpec, TensorMeta,
+                                      Shard, _StridedShard, Replicate, Partial])
+
+
+def _strides_of_pieces(local: torch.Tensor, mesh: DeviceMesh, placements) -> tuple[int, ...]:
+    """The global stride of pieces laid out as ``local`` is (e.g. transposed): a dim whose
+    stride steps over a sharded dim's steps over all of its shards (torch's rule), so
+    ``from_local(piece.t(), ...).stride()`` is the transposed global tensor's."""
+    stride = list(local.stride())
+    for i, p in enumerate(placements):
+        if p.is_shard():
+            step = stride[p.dim]
+            stride = [s * mesh.shape[i] if j != p.dim and s >= step else s
+                      for j, s in enumerate(stride)]
+    return tuple(stride)
 
 
 def _grad_target(spec: DTensorSpec, grad_spec: DTensorSpec) -> DTensorSpec:
@@ -333,6 +368,8 @@ def _partial_local_grad(grad: torch.Tensor, local: torch.Tensor, spec: DTensorSp
     for i, p in enumerate(spec.placements):
         if p.is_partial("avg"):
             grad = grad / spec.mesh.shape[i]
+    if any(p.is_partial("product") for p in spec.placements):
+        grad = grad * _product_of_the_others(local.detach(), spec)
     if extreme_dims:
         op = spec.placements[extreme_dims[0]].reduce_op
         extreme = local.detach()
@@ -344,6 +381,21 @@ def _partial_local_grad(grad: torch.Tensor, local: torch.Tensor, spec: DTensorSp
             ties = collectives.all_reduce(ties, spec.mesh, i, "sum")
         grad = grad * holds / ties
     return grad
+
+
+def _product_of_the_others(local: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
+    """d(prod over ranks)/d(this rank's piece): the product of every other rank's piece over the
+    Partial("product") mesh dims, from gathered pieces (exact where a piece holds zeros, which
+    dividing the whole product by this rank's piece would not be)."""
+    from . import collectives
+    others, piece = torch.ones_like(local), local
+    for i, p in enumerate(spec.placements):
+        if p.is_partial("product"):
+            coord = spec.mesh.get_coordinate()[i]
+            pieces = collectives.all_gather(piece.unsqueeze(0), spec.mesh, i)
+            others = others * torch.cat([pieces[:coord], pieces[coord + 1:]]).prod(0)
+            piece = pieces.prod(0)  # the row's product: the piece of the next product dim
+    return others
 
 
 class _ToLocal(torch.autograd.Function):
@@ -399,6 +451,15 @@ class _Redistribute(torch.autograd.Function):
 
 
 _DEFAULT_MESHES: dict = _caches.register({})  # device type -> 1-D world mesh
+
+
+def _given_or_current_mesh(device_mesh: DeviceMesh | None, like: torch.Tensor) -> DeviceMesh:
+    """The mesh a call given ``device_mesh`` uses: that one, else the innermost ``with mesh:``
+    block's (as torch's), else a 1-D mesh over the whole world."""
+    if device_mesh is not None:
+        return device_mesh
+    from .device_mesh import current_mesh
+    return current_mesh() or _default_mesh(like)
 
 
 def _default_mesh(like: torch.Tensor) -> DeviceMesh:

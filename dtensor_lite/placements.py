@@ -7,7 +7,8 @@ A DTensor carries one placement per mesh dimension:
                         or an empty shard).
 * ``Replicate()``    -- every rank of the mesh dim holds the whole (remaining) tensor.
 * ``Partial(op)``    -- every rank holds a partial value; the global value is the reduction
-                        (``sum``, ``avg``, ``max`` or ``min``) of the local values over the mesh dim.
+                        (``sum``, ``avg``, ``max``, ``min`` or ``product``) of the local values
+                        over the mesh dim.
 * ``_StridedShard``  -- an internal spelling (as in PyTorch) for "this mesh dim shards the tensor
                         dim *after* mesh dims to its right do", which FSDP on top of TP needs.
 
@@ -19,10 +20,12 @@ from __future__ import annotations
 __all__ = ["Placement", "Shard", "Replicate", "Partial", "_StridedShard", "REDUCE_OPS",
            "LINEAR_REDUCE_OPS", "reductions_mix"]
 
-REDUCE_OPS = ("sum", "avg", "max", "min")
+REDUCE_OPS = ("sum", "avg", "max", "min", "product")
+_REDUCE_OP_ALIASES = {"prod": "product"}  # torch.prod's spelling of torch's "product"
 # The Partial reductions that commute with linear maps (add, matmul, scaling). They also mix with
 # each other: a tensor may be Partial(sum) on one mesh dim and Partial(avg) on another, because
-# both reduce by addition (avg is sum scaled by 1/n). max and min mix with nothing but themselves.
+# both reduce by addition (avg is sum scaled by 1/n). max, min and product mix with nothing but
+# themselves.
 LINEAR_REDUCE_OPS = ("sum", "avg")
 
 
@@ -85,6 +88,16 @@ class Shard(Placement):
 
     def is_shard(self, dim: int | None = None) -> bool:
         return dim is None or dim == self.dim
+
+    @staticmethod
+    def local_shard_size_and_offset(curr_local_size: int, num_chunks: int,
+                                    rank: int) -> tuple[int, int]:
+        """torch's: (size, offset) of piece ``rank`` of ``num_chunks`` of a dim of
+        ``curr_local_size`` (``torch.chunk``; an empty piece sits at the end).
+        ``Shard.local_shard_size_and_offset(7, 4, 3)`` is ``(1, 6)``."""
+        from .spec import chunk_range  # spec builds on placements
+        start, size = chunk_range(curr_local_size, num_chunks, rank)
+        return size, start
 
     def __eq__(self, other):
         return type(other) is Shard and other.dim == self.dim
@@ -158,7 +171,10 @@ class Replicate(Placement):
 class Partial(Placement):
     """Each rank holds a partial value; the global value is ``reduce_op`` over the mesh dim.
 
-    ``reduce_op`` is one of ``"sum"`` (default), ``"avg"``, ``"max"``, ``"min"``.
+    ``reduce_op`` is one of ``"sum"`` (default), ``"avg"``, ``"max"``, ``"min"``, ``"product"``
+    (``"prod"`` is the same: it becomes ``"product"``, torch's name). Most ops reduce a
+    ``Partial("product")`` input first (few rules keep it); ``Replicate -> Partial("product")``
+    leaves the value on coordinate 0 and ones elsewhere.
 
     Example::
 
@@ -167,8 +183,11 @@ class Partial(Placement):
     """
 
     __slots__ = ("reduce_op",)
+    LINEAR_REDUCE_OPS = LINEAR_REDUCE_OPS  # torch's class attributes
+    ALL_REDUCE_OPS = REDUCE_OPS
 
     def __init__(self, reduce_op: str = "sum"):
+        reduce_op = _REDUCE_OP_ALIASES.get(reduce_op, reduce_op)
         if reduce_op not in REDUCE_OPS:
             raise ValueError(
                 f"Partial reduce_op must be one of {REDUCE_OPS}, got {reduce_op!r}")

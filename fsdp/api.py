@@ -138,6 +138,15 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     return module
 
 
+def _fsdp_state_of(module: nn.Module) -> FSDPState | None:
+    """``fully_shard.state(module)`` (torch's): the state ``fully_shard`` attached to
+    ``module``, or None where it was not applied. ``fully_shard.state(block) is not None``"""
+    return module.__dict__.get("_fsdp_state")
+
+
+fully_shard.state = _fsdp_state_of
+
+
 def register_fsdp_forward_method(module: nn.Module, method_name: str) -> None:
     """Make ``module.<method_name>(...)`` run FSDP's pre-/post-forward hooks around it, as
     ``forward`` does: the parameters are all-gathered before the method runs and resharded after
@@ -194,6 +203,25 @@ class UnshardHandle:
 
 class FSDPModule:
     """Mixin of every module that ``fully_shard`` was applied to (``isinstance(m, FSDPModule)``)."""
+
+    def __new__(cls, *args, **kwargs):
+        # as torch's: building a new module of an FSDP class -- ``seq[1:]`` builds
+        # ``self.__class__(...)`` -- gives the original class; the slice shares the submodules
+        # (and their hooks) but is no FSDP module of its own
+        orig = cls.__dict__.get("_fsdp_orig_cls")
+        if orig is None:
+            return super().__new__(cls)
+        obj = object.__new__(orig) if orig.__new__ is object.__new__ else orig.__new__(
+            orig, *args, **kwargs)
+        obj.__init__(*args, **kwargs)
+        return obj
+
+    def __deepcopy__(self, memo):
+        # a copy would share the process groups and hooks of the original's parameter group
+        raise AssertionError(
+            f"FSDP does not support deepcopy. Please use state dict for serialization: "
+            f"{type(self).__name__} was sharded by fully_shard (deepcopy the model before "
+            "fully_shard, or load a copy from get_model_state_dict)")
 
     def _get_fsdp_state(self) -> FSDPState:
         return self.__dict__["_fsdp_state"]
@@ -422,7 +450,7 @@ def _fsdp_class(cls: type) -> type:
     if issubclass(cls, FSDPModule):
         return cls
     if cls not in _CLASSES:
-        _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {})
+        _CLASSES[cls] = type(f"FSDP{cls.__name__}", (FSDPModule, cls), {"_fsdp_orig_cls": cls})
     return _CLASSES[cls]
 
 
@@ -439,6 +467,12 @@ def _check_modules(modules):
     for m in modules:
         if not isinstance(m, nn.Module):
             raise TypeError(f"fully_shard takes nn.Module(s), got {type(m).__name__}")
+        if isinstance(m, (nn.ModuleList, nn.ModuleDict)) and type(m).forward is nn.Module.forward:
+            # torch's rule: its hooks run around forward, and a container has none
+            raise ValueError(
+                f"fully_shard does not support containers that do not implement forward: "
+                f"{type(m).__name__}; shard each of its modules (fully_shard(block) for block "
+                "in blocks), or pass them as one list: fully_shard(list(blocks))")
         if isinstance(m, FSDPModule) or "_fsdp_state" in m.__dict__:
             raise RuntimeError(
                 f"fully_shard was already applied to this {type(m).__name__}; apply it once per "

@@ -753,7 +753,7 @@ def test_placement_errors():
     with pytest.raises(TypeError, match="Shard/Replicate/Partial"):
         distribute_tensor(x, mesh, [Shard(0), "replicate"])
     with pytest.raises(ValueError, match="reduce_op must be one of"):
-        Partial("prod")
+        Partial("mean")
     with pytest.raises(ValueError, match="use .redistribute"):
         distribute_tensor(distribute_tensor(x, mesh, [Shard(0), Replicate()]), mesh,
                           [Replicate(), Replicate()])

@@ -161,15 +161,21 @@ def test_output_shape_is_decided_from_placements_on_every_rank():
     mesh = init_device_mesh("cpu", (4,))
     x = distribute_tensor(torch.randn(4, 7), mesh, [Shard(1)])
     f = local_map(_two_columns, out_placements=[Shard(1)], in_placements=([Shard(1)],))
-    # the input laid out like the output implies (4, 7): nobody communicates, and the one rank
-    # whose piece cannot fit says what to pass
+    # the input laid out like the output suggests (4, 7), but rank 3's piece does not fit it:
+    # the ranks agree on that (one 1-element all-reduce), then exchange their local shapes and
+    # every rank gets (4, 8) -- no rank keeps a (4, 7) DTensor while another raises
     with CommDebugMode() as comm:
-        if dist.get_rank() == 3:
-            with pytest.raises(ValueError, match=r"does not fit global shape \(4, 7\).*out_shape="):
-                f(x)
-        else:
-            assert f(x).shape == (4, 7)
-    assert comm.get_total_counts() == 0
+        out = f(x)
+    assert out.shape == (4, 8) and out.placements == (Shard(1),)
+    _close(out.full_tensor(), torch.ones(4, 8))
+    assert comm.get_comm_counts()["all_reduce"] == 1
+    assert set(comm.get_comm_counts_by_op()) == {"local_map(_two_columns)"}
+    # where every piece fits the input's shape, that one small all-reduce is all it costs
+    g = local_map(_same_shape, out_placements=[Shard(1)], in_placements=([Shard(1)],))
+    with CommDebugMode() as comm:
+        same = g(x)
+    assert same.shape == (4, 7) and comm.get_comm_counts() == {"all_reduce": 1}
+    _close(same.full_tensor(), x.full_tensor() + 1)
     # out_shape= says it up front: no communication at all, the right shape everywhere
     f = local_map(_two_columns, out_placements=[Shard(1)], in_placements=([Shard(1)],),
                   out_shape=(4, 8))

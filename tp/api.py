@@ -2,12 +2,14 @@
 from __future__ import annotations
 
 import fnmatch
+import warnings
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from dtensor_lite import DeviceMesh, init_device_mesh
+from dtensor_lite.device_mesh import current_mesh
 
 from .style import ParallelStyle
 
@@ -26,7 +28,9 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
     is changed, so a path that matches nothing leaves the module untouched.
 
     ``device_mesh`` must be 1-D: the TP mesh (slice it out of a bigger mesh, ``mesh["tp"]``).
-    Default: all ranks in a 1-D mesh on the device of the module's parameters.
+    Default: the mesh of the innermost ``with mesh:`` block, else all ranks in a 1-D mesh on
+    the device of the module's parameters. Without a plan (``None``), nothing is changed and a
+    ``UserWarning`` says so, as torch's.
     ``src_data_rank``: the rank whose full weights are scattered (``None``: every rank slices
     its own copy, no communication); the module's weights should be equal on every rank.
 
@@ -39,6 +43,10 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
         ... })
     """
     mesh = _tp_mesh(module, device_mesh)
+    if parallelize_plan is None:  # torch's answer: nothing to do (no auto-parallel), say so
+        warnings.warn("No parallelize_plan is provided and auto-parallel is not supported at the "
+                      "moment, so this parallelize_module call will do nothing.", stacklevel=2)
+        return module
     if isinstance(parallelize_plan, ParallelStyle):
         targets = [("", "", module, parallelize_plan)]
     elif isinstance(parallelize_plan, dict):
@@ -66,6 +74,8 @@ def parallelize_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
 
 
 def _tp_mesh(module: nn.Module, device_mesh) -> DeviceMesh:
+    if device_mesh is None and current_mesh() is not None:
+        device_mesh = current_mesh()
     if device_mesh is None:
         if not dist.is_initialized():
             raise ValueError("parallelize_module: no device_mesh given and torch.distributed is "

@@ -126,7 +126,8 @@ def choose(call, strategies, local_fn=None) -> FullStrategy:
     full = expand_strategies(call, strategies, mutated)
     if not _consistent(full):
         full = None
-        for allowed in (set(LINEAR_REDUCE_OPS), {"max"}, {"min"}, {"max", "min"}, set()):
+        for allowed in (set(LINEAR_REDUCE_OPS), {"max"}, {"min"}, {"max", "min"}, {"product"},
+                        set()):
             subset = [s for s in strategies if _strategy_partials(s) <= allowed]
             try:
                 candidate = expand_strategies(call, subset, mutated)

@@ -70,9 +70,12 @@ def wrap_replicated(local: torch.Tensor, mesh):
 # ------------------------------------------------------------------ constructors and fills
 @register_rule(aten.ones_like, aten.zeros_like, aten.empty_like, aten.full_like)
 def _like(call):
-    # a fresh tensor shaped like the input: shards stay shards, Partial becomes Replicate
+    # a fresh tensor shaped like the input: shards stay shards, Partial becomes Replicate --
+    # except in empty_like, whose uninitialised memory is as valid a Partial piece as any (as
+    # torch's: module.to_empty keeps a Partial buffer Partial)
     spec = call.inputs[0]
-    outs = tuple(p if not p.is_partial() else R for p in spec.placements)
+    outs = tuple(p if not p.is_partial() or call.op is aten.empty_like.default else R
+                 for p in spec.placements)
     return FullStrategy(outs=[outs], ins=[None], out_orders=[spec.shard_order])
 
 

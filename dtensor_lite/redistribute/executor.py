@@ -32,6 +32,8 @@ def _identity_value(op: str, dtype: torch.dtype):
         # -0.0, not 0.0: x + (-0.0) is x bit for bit (x + 0.0 turns -0.0 into +0.0), and the
         # planner takes S -> P(sum) -> R for small dims, which must be as exact as an all_gather
         return complex(-0.0, -0.0) if dtype.is_complex else -0.0 if dtype.is_floating_point else 0
+    if op == "product":
+        return 1
     if dtype == torch.bool:
         return op == "min"
     info = torch.finfo(dtype) if dtype.is_floating_point else torch.iinfo(dtype)
@@ -74,8 +76,8 @@ def _run_step(x: torch.Tensor, step: Step, async_op: bool = False):
         start, size = _chunk_start(before_shape[d], n, coord)
         return x.narrow(d, start, size)
     if kind == "to_partial":
-        if step.dst.reduce_op == "sum" and coord != 0:
-            return torch.zeros_like(x)
+        if step.dst.reduce_op in ("sum", "product") and coord != 0:
+            return torch.zeros_like(x) if step.dst.reduce_op == "sum" else torch.ones_like(x)
         return x
     if kind == "pad_to_partial":
         d, op = step.src.dim, step.dst.reduce_op

@@ -56,7 +56,8 @@ class ExpertParallelMoE(torch.nn.Module):
         top_logits, chosen = logits.topk(self.top_k, dim=-1)
         gates = torch.softmax(top_logits, dim=-1)
         p = x.placements
-        run = local_map(self._local, p, (p, p, p, self.w1.placements, self.w2.placements))
+        run = local_map(self._local, p, (p, p, p, self.w1.placements, self.w2.placements),
+                        out_shape=x.shape)  # each rank's tokens come back: x's global shape
         return run(x, gates, chosen, self.w1, self.w2)
 
     def _local(self, x, gates, chosen, w1, w2):
