@@ -357,6 +357,9 @@ OP_DB_EXCEPTIONS: dict = {
     ("hsplit", "S0,S0"): OUTPUT_NOT_PRICED,  # Partial pieces, each reduced by full_tensor
     ("nn.functional.upsample_bilinear", "S0,S-1"): OUTPUT_NOT_PRICED,  # an all_to_all first
     ("constant_pad_nd", "S0,S-1"): OUTPUT_NOT_PRICED,  # the padded output gathered (84 B)
+    # sqrt of a Partial norm reduce-scatters (half an all-reduce's bytes), and the division
+    # that follows gathers the shards back; torch all-reduces once and divides locally
+    ("masked.normalize", "S0"): OUTPUT_NOT_PRICED,
     # grid_sampler_2d's rule makes both inputs whole (two all_gathers each on a 2-D mesh);
     # torch keeps one input's batch shard and gathers three times
     ("nn.functional.grid_sample", "S0,S-1"): "grid_sampler rule gathers both inputs",
