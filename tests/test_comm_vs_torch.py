@@ -356,6 +356,8 @@ OP_DB_EXCEPTIONS: dict = {
     ("diag", "S0"): OUTPUT_NOT_PRICED,  # a free Partial 10x10 matrix; torch gathers the vector
     ("hsplit", "S0,S0"): OUTPUT_NOT_PRICED,  # Partial pieces, each reduced by full_tensor
     ("nn.functional.upsample_bilinear", "S0,S-1"): OUTPUT_NOT_PRICED,  # an all_to_all first
+    ("_upsample_bilinear2d_aa", "S0,S-1"): OUTPUT_NOT_PRICED,  # likewise
+    ("nn.functional.interpolate.bicubic", "S0,S-1"): OUTPUT_NOT_PRICED,  # likewise
     ("constant_pad_nd", "S0,S-1"): OUTPUT_NOT_PRICED,  # the padded output gathered (84 B)
     # sqrt of a Partial norm reduce-scatters (half an all-reduce's bytes), and the division
     # that follows gathers the shards back; torch all-reduces once and divides locally
