@@ -240,7 +240,7 @@ REDISTRIBUTE_MESHES = {  # mesh shape -> (global shape, placement codes per mesh
 # (mesh shape, src codes, dst codes) -> why ours costs more there
 REDISTRIBUTE_EXCEPTIONS: dict = {}
 # pairs per mesh in the suite (a fixed sample; 1-D has 18, 2-D 192, 3-D 2000 in all)
-REDISTRIBUTE_PAIRS = int(os.environ.get("DTL_COMM_PAIRS", "48"))
+REDISTRIBUTE_PAIRS = int(os.environ.get("DTL_COMM_PAIRS", "32"))
 
 
 def _codes_to(codes, lib):
@@ -562,4 +562,4 @@ def test_op_db_costs_no_more_than_torch():
 
 
 # ops per pass in the suite: the first of test_opinfo's daily sample (same seed and order)
-OP_DB_COMM_OPS = int(os.environ.get("DTL_COMM_OPS", "8"))
+OP_DB_COMM_OPS = int(os.environ.get("DTL_COMM_OPS", "5"))
