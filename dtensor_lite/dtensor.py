@@ -280,6 +280,21 @@ def _grad_target(spec: DTensorSpec, grad_spec: DTensorSpec) -> DTensorSpec:
     return DTensorSpec(spec.mesh, placements, grad_spec.tensor_meta, order)
 
 
+def _redistribute_grad_target(spec: DTensorSpec, grad_spec: DTensorSpec) -> DTensorSpec:
+    """Where redistribute's backward puts the gradient of an input laid out as ``spec``: as
+    :func:`_grad_target`, except that a mesh dim where both the input and the arriving gradient
+    are linear Partials keeps the gradient's Partial -- it already holds the right global value
+    (the DTensor gradient of a Partial input), and reducing it here would only move bytes that
+    its consumer may never need (PyTorch keeps it too). from_local's backward, which hands back
+    a local piece, still reduces."""
+    target = _grad_target(spec, grad_spec)
+    keep = tuple(g if p.is_partial() and g.is_partial() and p.is_linear and g.is_linear else t
+                 for p, g, t in zip(spec.placements, grad_spec.placements, target.placements))
+    if keep == target.placements:
+        return target
+    return DTensorSpec(spec.mesh, keep, grad_spec.tensor_meta, spec.shard_order)
+
+
 def _as_grad_dtensor(grad, spec: DTensorSpec) -> "DTensor":
     if isinstance(grad, DTensor):
         return grad
@@ -444,7 +459,7 @@ class _Redistribute(torch.autograd.Function):
         # the backward collectives run at backward_dtype, by default at the input's dtype (not
         # the forward's); the input's gradient is always in the input's dtype
         grad = _cast(grad, ctx.backward_dtype or ctx.src.dtype)
-        target = _grad_target(ctx.src, grad._spec)
+        target = _redistribute_grad_target(ctx.src, grad._spec)
         with debug.outermost_cause("redistribute.backward"):
             out = _redistributed(grad, target, ctx.async_op)
         return _cast(out, ctx.src.dtype), None, None, None, None

@@ -465,14 +465,23 @@ def test_sdpa_communication():
     assert out.placements == (Shard(0), Shard(2))
     assert [g.placements for g in grads] == [(Shard(0), Shard(2)), (Shard(0), Partial()),
                                              (Shard(0), Partial())]
-    # sequence-sharded self-attention: cheaper to re-split q/k/v by heads (all-to-all, as in
-    # Ulysses) than to gather k and v ...
+    # sequence-sharded self-attention: gathering k and v (two collectives) beats re-splitting
+    # q/k/v by heads (three) for small tensors under the planner's latency term ...
     ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
     dq, dk, dv = (_dist(t, mesh, [Shard(0), Shard(2)]) for t in (q, k, v))
     with CommDebugMode() as comm:
         out = F.scaled_dot_product_attention(dq, dk, dv, is_causal=True)
-    assert comm.get_comm_counts() == {"all_to_all": 3}
+    assert comm.get_comm_counts() == {"all_gather": 2}
     torch.testing.assert_close(out.full_tensor(), ref)
+    # ... and for large ones it is cheaper to re-split them by heads (all-to-all, as in Ulysses:
+    # 1.5 pieces' bytes against 2) once the bytes saved outweigh a collective's latency
+    bq, bk, bv = (_rand(2, 4, 1024, 16, seed=s) for s in range(3))
+    dq, dk, dv = (_dist(t, mesh, [Shard(0), Shard(2)]) for t in (bq, bk, bv))
+    with CommDebugMode() as comm:
+        out = F.scaled_dot_product_attention(dq, dk, dv, is_causal=True)
+    assert comm.get_comm_counts() == {"all_to_all": 3}
+    torch.testing.assert_close(out.full_tensor(),
+                               F.scaled_dot_product_attention(bq, bk, bv, is_causal=True))
     # ... unless there are no heads to split: then only k and v are gathered, queries stay split
     q1, k1, v1 = (_rand(1, 1, 8, 4, seed=s) for s in range(3))
     dq, dk, dv = (_dist(t, mesh, [Shard(2), Shard(2)]) for t in (q1, k1, v1))

@@ -298,9 +298,17 @@ def test_partial_sum_kept_where_linear_without_communication():
     px = _partial(pieces, mesh, [Partial(), R])
     po = _partial(other, mesh, [Partial(), R])
     x, o = pieces.sum(0), other.sum(0)
-    for fn in (lambda p, q: p * q, lambda p, q: p.exp(), lambda p, q: p ** 2,
+    # Partial x Partial: one factor is reduced (one all-reduce; reducing both, or one by
+    # reduce-scatter and the other alike, is two) and the product stays Partial, as in PyTorch
+    # (and Partial / Partial reduces the divisor only)
+    for fn in (lambda p, q: p * q, lambda p, q: p / q):
+        with CommDebugMode() as comm:
+            got = fn(px, po)
+        assert comm.get_comm_counts() == {"all_reduce": 1} and got.placements[0].is_partial()
+        close(got.full_tensor(), fn(x, o))
+    for fn in (lambda p, q: p.exp(), lambda p, q: p ** 2,
                lambda p, q: p > 0, lambda p, q: p.abs(), lambda p, q: p.to(torch.int32),
-               lambda p, q: p / q, lambda p, q: torch.maximum(p, q), lambda p, q: p // 1,
+               lambda p, q: torch.maximum(p, q), lambda p, q: p // 1,
                lambda p, q: p.bool()):
         got = fn(px, po)
         assert not any(p.is_partial() for p in got.placements)

@@ -1,6 +1,7 @@
 """Reductions against plain torch, forward and backward, over many placements on a 1-D (4) and a
 2-D (2x2) mesh with uneven shapes (empty shards included) and Partial inputs; CommDebugMode
 checks that the cheap paths stay cheap."""
+import contextlib
 import math
 
 import pytest
@@ -31,6 +32,23 @@ def _placements(mesh, ndim, partial=True):
     return out + ([[P, Shard(0)], [Shard(ndim - 1), P]] if partial else [])
 
 
+
+
+@contextlib.contextmanager
+def _pieces_path():
+    """Reductions over a sharded dim choose between gathering the input and combining reduced
+    pieces by the planner's cost, which gathers the small tensors these checks use; with no
+    latency term the piece-wise compositions (the code worth checking value by value) run."""
+    from dtensor_lite import _caches
+    from dtensor_lite.ops import reduction
+    saved = reduction.COLLECTIVE_LATENCY_BYTES
+    reduction.COLLECTIVE_LATENCY_BYTES = 0
+    _caches.clear_decisions()
+    try:
+        yield
+    finally:
+        reduction.COLLECTIVE_LATENCY_BYTES = saved
+        _caches.clear_decisions()
 
 
 def check(fn, x, meshes, grad=True, placements=None, **tol):
@@ -133,6 +151,31 @@ def test_max_min_family():
 def test_max_dim_and_argmax_give_global_indices():
     meshes = _meshes()
     x = torch.randn(5, 7)
+    with _pieces_path():
+        _max_dim_checks(x, meshes)
+    # the sharded reduction gathers one (value, index) pair per rank, never the large input
+    mesh1 = meshes[0]
+    big = torch.randn(4096, 8)
+    d = distribute_tensor(big, mesh1, [Shard(0)])
+    with CommDebugMode() as comm:
+        v, i = d.max(0)
+    assert set(comm.get_comm_counts()) == {"all_gather"}
+    assert comm.get_total_bytes() <= 2 * 3 * 8 * 8
+    assert v.placements == (R,) and i.placements == (R,)
+    torch.testing.assert_close(i.full_tensor(), big.max(0).indices)
+    # a small one is gathered once: one collective costs less than two (the planner's cost)
+    small = distribute_tensor(big[:64], mesh1, [Shard(0)])
+    with CommDebugMode() as comm:
+        v, i = small.max(0)
+    assert comm.get_comm_counts() == {"all_gather": 1}
+    torch.testing.assert_close(i.full_tensor(), big[:64].max(0).indices)
+    # a reduction over an unsharded dim keeps the shards and needs nothing
+    with CommDebugMode() as comm:
+        v, i = d.max(1)
+    assert comm.get_total_counts() == 0 and i.placements == (Shard(0),)
+
+
+def _max_dim_checks(x, meshes):
     check(lambda t: (*t.max(0), *t.min(1, keepdim=True), *t.max(-1)), x, meshes)
     check(lambda t: (t.argmax(0), t.argmin(1, keepdim=True), t.argmax(), t.argmin(keepdim=True)),
           x, meshes, grad=False)
@@ -145,29 +188,16 @@ def test_max_dim_and_argmax_give_global_indices():
     for t in (ties, nan, torch.full((5, 2), float("-inf")), torch.randint(0, 3, (5, 2))):
         check(lambda t: (*t.max(0), *t.min(0), t.argmax(), t.argmin(1)), t, meshes, grad=False,
               equal_nan=True)
-    # the sharded reduction gathers one (value, index) pair per rank, never the input
-    mesh1 = meshes[0]
-    big = torch.randn(64, 8)
-    d = distribute_tensor(big, mesh1, [Shard(0)])
-    with CommDebugMode() as comm:
-        v, i = d.max(0)
-    assert set(comm.get_comm_counts()) == {"all_gather"}
-    assert comm.get_total_bytes() <= 2 * 3 * 8 * 8
-    assert v.placements == (R,) and i.placements == (R,)
-    torch.testing.assert_close(i.full_tensor(), big.max(0).indices)
-    # a reduction over an unsharded dim keeps the shards and needs nothing
-    with CommDebugMode() as comm:
-        v, i = d.max(1)
-    assert comm.get_total_counts() == 0 and i.placements == (Shard(0),)
 
 
 @distributed(world_size=4)
 def test_prod():
     meshes = _meshes()
     x = torch.rand(5, 3) + 0.5
-    check(lambda t: (t.prod(0), t.prod(1, keepdim=True), t.prod(), t.prod(0, dtype=torch.float64)),
-          x, meshes, grad=False)
-    check(lambda t: (t.prod(0), t.prod()), torch.randint(-3, 4, (5, 3)), meshes, grad=False)
+    with _pieces_path():
+        check(lambda t: (t.prod(0), t.prod(1, keepdim=True), t.prod(),
+                         t.prod(0, dtype=torch.float64)), x, meshes, grad=False)
+        check(lambda t: (t.prod(0), t.prod()), torch.randint(-3, 4, (5, 3)), meshes, grad=False)
     d = distribute_tensor(torch.rand(64, 4), meshes[0], [Shard(0)])
     with CommDebugMode() as comm:
         d.prod(0)
@@ -179,13 +209,14 @@ def test_norms():
     meshes = _meshes()
     x = torch.randn(5, 3)
     vn = torch.linalg.vector_norm
-    check(lambda t: tuple(vn(t, o) for o in (2, 1, 3, 0.5, math.inf, -math.inf)), x, meshes)
-    check(lambda t: tuple(vn(t, o, dim=0, keepdim=True) for o in (2, 1, 3, math.inf)) + (
-        vn(t, 2, dim=1), vn(t, dtype=torch.float64)), x, meshes)
-    x[0, 1] = 0.0
-    check(lambda t: (vn(t, 0), vn(t, 0, dim=1)), x, meshes, grad=False)
-    check(lambda t: (t.norm(), t.norm(p=3, dim=1), torch.ops.aten.norm.Scalar(t, 2),
-                     torch.ops.aten.norm.ScalarOpt_dim(t, math.inf, [0], True)), x, meshes)
+    with _pieces_path():
+        check(lambda t: tuple(vn(t, o) for o in (2, 1, 3, 0.5, math.inf, -math.inf)), x, meshes)
+        check(lambda t: tuple(vn(t, o, dim=0, keepdim=True) for o in (2, 1, 3, math.inf)) + (
+            vn(t, 2, dim=1), vn(t, dtype=torch.float64)), x, meshes)
+        x[0, 1] = 0.0
+        check(lambda t: (vn(t, 0), vn(t, 0, dim=1)), x, meshes, grad=False)
+        check(lambda t: (t.norm(), t.norm(p=3, dim=1), torch.ops.aten.norm.Scalar(t, 2),
+                         torch.ops.aten.norm.ScalarOpt_dim(t, math.inf, [0], True)), x, meshes)
     # p = 2 over a sharded dim: one all-reduce of the (small) sum of squares
     d = distribute_tensor(torch.randn(64, 8), meshes[0], [Shard(0)])
     with CommDebugMode() as comm:
@@ -228,6 +259,21 @@ def test_var_std_exact():
     meshes = _meshes()
     # float64 with a large mean: a naive E[x^2] - E[x]^2 would lose ~12 of its 16 digits
     x = torch.randn(5, 3, dtype=torch.float64) + 1e6
+    with _pieces_path():
+        _var_checks(x, meshes)
+    # the mean is all-reduced once; the variance itself stays Partial(sum) (a large input)
+    d = distribute_tensor(torch.randn(4096, 8), meshes[0], [Shard(0)])
+    with CommDebugMode() as comm:
+        v = torch.var(d, 0)
+    assert comm.get_comm_counts() == {"all_reduce": 1} and v.placements == (Partial("sum"),)
+    # a small one is gathered once (two round trips cost more under the planner's cost)
+    small = distribute_tensor(torch.randn(64, 8), meshes[0], [Shard(0)])
+    with CommDebugMode() as comm:
+        v = torch.var(small, 0)
+    assert comm.get_comm_counts() == {"all_gather": 1} and v.placements == (R,)
+
+
+def _var_checks(x, meshes):
     check(lambda t: tuple(torch.var(t, dim, correction=c) for dim in (0, 1, None) for c in (0, 1))
           + (torch.std(t, 0, correction=0, keepdim=True), torch.std(t),
              *torch.var_mean(t, 0), *torch.var_mean(t, 1, correction=0),
@@ -237,11 +283,6 @@ def test_var_std_exact():
     # one row: correction 1 divides by zero (NaN), 2 rows and correction 2: x / 0 (inf)
     check(lambda t: torch.var(t, 0), torch.randn(1, 3), meshes, grad=False, equal_nan=True)
     check(lambda t: torch.var(t, 0, correction=2), torch.randn(2, 3), meshes, grad=False)
-    # the mean is all-reduced once; the variance itself stays Partial(sum)
-    d = distribute_tensor(torch.randn(64, 8), meshes[0], [Shard(0)])
-    with CommDebugMode() as comm:
-        v = torch.var(d, 0)
-    assert comm.get_comm_counts() == {"all_reduce": 1} and v.placements == (Partial("sum"),)
 
 
 @distributed(world_size=4)
@@ -251,12 +292,13 @@ def test_all_any_logsumexp_and_scans():
     check(lambda t: ((t > -1).all(), (t > 0).any(0), (t > -1).all(1, keepdim=True),
                      torch.any(t > 1, dim=(0, 1))), x, meshes, grad=False)
     big = torch.randn(5, 3) * 50 + 1000  # exp would overflow without the shift by the max
-    check(lambda t: (t.logsumexp(0), t.logsumexp((0, 1), keepdim=True), t.logsumexp(1)),
-          big, meshes)
     inf = x.clone()
     inf[:, 1] = float("-inf")
     inf[2, 2] = float("inf")
-    check(lambda t: (t.logsumexp(0), (t > 0).long().logsumexp(0)), inf, meshes, grad=False)
+    with _pieces_path():
+        check(lambda t: (t.logsumexp(0), t.logsumexp((0, 1), keepdim=True), t.logsumexp(1)),
+              big, meshes)
+        check(lambda t: (t.logsumexp(0), (t > 0).long().logsumexp(0)), inf, meshes, grad=False)
     check(lambda t: (t.cumsum(0), t.cumsum(1), t.cumsum(0, dtype=torch.float64)), x, meshes)
     check(lambda t: (t.cumprod(0), t.cumprod(1), t.logcumsumexp(0), *torch.cummax(t, 0),
                      *torch.cummin(t, 1)), x, meshes, grad=False)

@@ -1,7 +1,7 @@
 """Expanding per-mesh-dim strategies into placements for every mesh dim.
 
 A rule that returns ``(outs, ins)`` pairs for ONE mesh dim is expanded here: for each mesh dim the
-pair that moves the least data is chosen (ties: the one that moves nothing, then list order), and
+pair that costs least to reach (bytes plus a latency term per collective) is chosen (ties: the one that moves nothing, then list order), and
 a non-default shard order on an input that keeps its placements is carried to the outputs. Rules
 that want the dispatcher's choice and then attach their own ``local_fn`` call
 :func:`expand_strategies` themselves.
@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from ..placements import reductions_mix
-from ..redistribute.steps import estimate_bytes
+from ..redistribute.steps import estimate_cost
 from ..spec import DTensorSpec, shard_orders
 from ._registry import FullStrategy, OpCall
 
@@ -19,9 +19,10 @@ __all__ = ["expand_strategies"]
 
 
 def _estimate(spec: DTensorSpec, i: int, p, q) -> float:
-    """Rough bytes to move ``spec`` from p to q on mesh dim i (exact plans come later)."""
+    """Rough cost to move ``spec`` from p to q on mesh dim i (exact plans come later): bytes
+    plus the planner's latency term per collective."""
     local = math.prod(spec.local_shape_and_offset((0,) * spec.mesh.ndim)[0]) * spec.dtype.itemsize
-    return estimate_bytes(p, q, local, spec.mesh.shape[i])
+    return estimate_cost(p, q, local, spec.mesh.shape[i])
 
 
 def _normalize_strategy(s, n_inputs):

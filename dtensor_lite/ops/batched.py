@@ -59,6 +59,29 @@ register_rule(aten.max_pool2d_with_indices.default, aten.avg_pool2d.default,
               aten.adaptive_max_pool2d_backward.default,
               aten.upsample_nearest2d.default, aten.upsample_nearest2d.vec,
               aten.upsample_bilinear2d.default, aten.upsample_bilinear2d.vec)(_trailing(2))
+
+
+def _overloads(*names):
+    """Every overload (default, vec, ...) of the named aten ops that this torch has."""
+    out = []
+    for name in names:
+        packet = getattr(aten, name, None)
+        out += [getattr(packet, o) for o in packet.overloads()] if packet is not None else []
+    return out
+
+
+# the other resampling ops (antialiased, bicubic, exact-nearest; 1-D and 3-D): the same, with
+# their backwards (the gradient's trailing dims are the input's image); PyTorch shards their
+# batch dims too, so gathering the input would cost more than it does
+register_rule(*_overloads("_upsample_bicubic2d_aa", "_upsample_bilinear2d_aa",
+                          "_upsample_bilinear2d_aa_backward", "_upsample_lanczos2d_aa",
+                          "_upsample_lanczos2d_aa_backward", "_upsample_nearest_exact2d",
+                          "_upsample_nearest_exact2d_backward", "upsample_bicubic2d",
+                          "upsample_nearest2d_backward"))(_trailing(2))
+register_rule(*_overloads("_upsample_nearest_exact1d", "upsample_linear1d",
+                          "upsample_nearest1d"))(_trailing(1))
+register_rule(*_overloads("_upsample_nearest_exact3d", "upsample_nearest3d",
+                          "upsample_trilinear3d"))(_trailing(3))
 register_rule(aten.max_pool3d_with_indices.default, aten.avg_pool3d.default,
               aten._adaptive_avg_pool3d.default, aten.adaptive_max_pool3d.default,
               aten.max_pool3d_with_indices_backward.default, aten.avg_pool3d_backward.default,

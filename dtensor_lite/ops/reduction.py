@@ -20,6 +20,7 @@ import torch
 from ..dtensor import DTensor
 from ..placements import LINEAR_REDUCE_OPS, Partial, Replicate, Shard
 from ..redistribute import plan_redistribute, redistribute_local, run_plan
+from ..redistribute.steps import COLLECTIVE_LATENCY_BYTES
 from ..spec import DTensorSpec, TensorMeta
 from ._registry import Decompose, register_rule
 from .kit import arg_at
@@ -106,6 +107,33 @@ def reduction(spec, dims, keepdim, sharded_to, keep_partial=(), local_fn=None, n
 
 def _any_sharded(spec, dims) -> bool:
     return any(p.is_shard() and p.dim in dims for p in spec.placements)
+
+
+def reduce_pieces_is_cheaper(spec, dims, rounds: tuple[str, ...]) -> bool:
+    """Is reducing a sharded dim piece-wise -- one collective per entry of ``rounds``
+    ("all_reduce" or "all_gather" of the reduced pieces, over each mesh dim sharding a reduced
+    dim) -- cheaper than gathering those dims first (one plan), under the planner's cost: bytes
+    plus ``COLLECTIVE_LATENCY_BYTES`` per collective? For a small tensor one gather beats two
+    round trips (logsumexp of an (8, 12) tensor: PyTorch gathers, once); for a large one,
+    moving reduced results beats moving the input. Priced at mesh coordinate 0 (the largest
+    pieces) so that every rank decides alike; Partial dims are resolved alike on both paths
+    and left out."""
+    if not _any_sharded(spec, dims):
+        return False
+    base = spec.with_placements(tuple(R if p.is_partial() else p for p in spec.placements),
+                                spec.shard_order)
+    M = [i for i, p in enumerate(base.placements) if p.is_shard() and p.dim in dims]
+    gathered = base.with_placements(tuple(R if i in M else p for i, p in enumerate(
+        base.placements)))
+    plan = plan_redistribute(base, gathered)
+    gather_cost = plan.cost + COLLECTIVE_LATENCY_BYTES * plan.num_collectives
+    piece = base.local_shape_and_offset((0,) * spec.mesh.ndim)[0]
+    out_bytes = math.prod(1 if d in dims else s for d, s in enumerate(piece)) * spec.dtype.itemsize
+    per_round = {"all_reduce": lambda n: 2 * (n - 1) * -(-out_bytes // n),
+                 "all_gather": lambda n: (n - 1) * out_bytes}
+    reduce_cost = sum(COLLECTIVE_LATENCY_BYTES + per_round[kind](spec.mesh.shape[i])
+                      for kind in rounds for i in M)
+    return reduce_cost < gather_cost
 
 
 def _sum_like_args(call):
@@ -306,7 +334,7 @@ def _max_dim(call):
     dim = arg_at(call, 1, "dim")
     keepdim = arg_at(call, 2, "keepdim", False)
     dims = reduced_dims(dim, spec.ndim) if dim is not None else tuple(range(spec.ndim))
-    if _any_sharded(spec, dims):
+    if reduce_pieces_is_cheaper(spec, dims, ("all_gather", "all_gather")):  # values, indices
         return _validated(call, lambda x, *a, **k: _arg_reduce(x, dim, keepdim, largest,
                                                                want_values))
     return reduction(spec, dims, keepdim, None, (), n_out=2 if want_values else 1)
@@ -319,7 +347,7 @@ def _prod(call):
     keepdim = False if call.op is aten.prod.default else arg_at(call, 2, "keepdim", False)
     dims = reduced_dims(dim, spec.ndim)
     dtype = call.kwargs.get("dtype")
-    if not _any_sharded(spec, dims):
+    if not reduce_pieces_is_cheaper(spec, dims, ("all_gather",)):  # one product per rank
         return reduction(spec, dims, keepdim, None)
 
     def sharded_prod(x, *args, **kwargs):
@@ -362,7 +390,7 @@ def _var_args(call):
 def _var(call):
     spec, dims, correction, keepdim = _var_args(call)
     name = call.op._schema.name.split("::")[1]
-    if not _any_sharded(spec, dims):
+    if not reduce_pieces_is_cheaper(spec, dims, ("all_reduce",) * 2):  # the mean, then the deviations
         return reduction(spec, dims, keepdim, None, (), n_out=2 if "mean" in name else 1)
     count = math.prod(spec.shape[d] for d in dims)
     M = [i for i, p in enumerate(spec.placements) if p.is_shard() and p.dim in dims]
@@ -402,7 +430,7 @@ def _norm(call):
     spec = call.inputs[0]
     ord_, dim, keepdim, dtype = _norm_args(call)
     dims = reduced_dims(dim, spec.ndim)
-    if not _any_sharded(spec, dims):
+    if not reduce_pieces_is_cheaper(spec, dims, ("all_reduce",)):
         return reduction(spec, dims, keepdim, None)
     ord_ = float(ord_)
 
@@ -431,7 +459,7 @@ def _logsumexp(call):
     spec = call.inputs[0]
     dims = reduced_dims(arg_at(call, 1, "dim"), spec.ndim)
     keepdim = arg_at(call, 2, "keepdim", False)
-    if not _any_sharded(spec, dims):
+    if not reduce_pieces_is_cheaper(spec, dims, ("all_reduce",) * 2):  # the max, then the sum
         return reduction(spec, dims, keepdim, None)
     M = [i for i, p in enumerate(spec.placements) if p.is_shard() and p.dim in dims]
 
@@ -459,3 +487,18 @@ def _scan(call):
     ins = [R if (p.is_shard() and p.dim == d) or (p.is_partial() and not (
         linear and p.is_linear)) else p for p in spec.placements]
     return full_strategy(spec, ins, [ins] * n_out, [spec.ndim] * n_out)
+
+
+# ------------------------------------------------------------------ histograms
+@register_rule(aten.histc.default)
+def _histc(call):
+    """Bin counts add across pieces when every rank bins alike: with a given range
+    (``min < max``) a sharded input gives ``Partial(sum)`` counts and moves nothing. Without
+    one (``min == max``) the bins come from the data's global min and max, so the input is
+    gathered."""
+    spec = call.inputs[0]
+    lo, hi = arg_at(call, 2, "min", 0), arg_at(call, 3, "max", 0)
+    strategies = [((R,), (R,))]
+    if lo < hi:
+        strategies += [((Partial("sum"),), (Shard(d),)) for d in range(spec.ndim)]
+    return strategies

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from typing import Callable, NamedTuple
 
-__all__ = ["StepKind", "STEP_KINDS", "step_kind", "estimate_bytes", "COLLECTIVE_LATENCY_BYTES"]
+__all__ = ["StepKind", "STEP_KINDS", "step_kind", "estimate_bytes", "estimate_cost",
+           "COLLECTIVE_LATENCY_BYTES"]
 
 # What one more collective costs beyond its bytes, counted in bytes (an alpha-beta model with
 # alpha / beta in bytes): about one collective's start-up latency times a link's bandwidth --
@@ -64,3 +65,14 @@ def estimate_bytes(p, q, local_bytes: float, n: int) -> float:
         return 0.0
     kind = step_kind(p, q)
     return STEP_KINDS[kind or "all_reduce"].estimate(local_bytes, n)
+
+
+def estimate_cost(p, q, local_bytes: float, n: int) -> float:
+    """:func:`estimate_bytes` plus ``COLLECTIVE_LATENCY_BYTES`` per collective: the planner's
+    cost for one mesh dim's move, so that an op's strategy choice weighs two small collectives
+    against one (a Partial x Partial product reduces one factor, not both)."""
+    if p == q:
+        return 0.0
+    kind = step_kind(p, q)
+    collective = STEP_KINDS[kind].collective if kind else True
+    return estimate_bytes(p, q, local_bytes, n) + COLLECTIVE_LATENCY_BYTES * collective

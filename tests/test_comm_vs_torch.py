@@ -1,0 +1,565 @@
+"""Never more communication than PyTorch's DTensor for the same work.
+
+Each case runs the same program on our DTensor and on torch.distributed.tensor (torch's own
+DeviceMesh over the same gloo world) in one process and compares each rank's communication
+cost in the planner's unit: bytes sent plus ``COLLECTIVE_LATENCY_BYTES`` per collective
+(``tests/_comm_compare.py``). Ours must cost no more, case by case, except where the tables
+below say why.
+
+* the cases that PyTorch's own tests found (each asserts ours <= torch in collectives and bytes);
+* the TP styles, forward and backward;
+* ``redistribute`` between every pair of a placement set on 1-D, 2-D and 3-D meshes;
+* the whole op_db, on test_opinfo's layouts, forward (the op, then ``full_tensor`` of its
+  results: a library that leaves a result Partial pays for it there) and backward (a weighted
+  sum of the results, its gradient, ``full_tensor`` of the input gradients).
+"""
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+import re
+import warnings
+from copy import deepcopy
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.utils._pytree import tree_flatten, tree_map
+
+from tests import conftest
+from tests._comm_compare import (Comm, TorchComm, ours_comm, to_torch_placements, torch_mesh)
+from tests.harness import DistributedTestFailure, distributed, run_distributed
+
+
+_RNG_CHECKS: list[Comm] = []  # what the last _ours spent checking random generator states
+
+
+# The op_db and 3-D redistribute samples are fixed (seed 29: the ones examined and tabled below);
+# DTL_OPINFO_SEED=<n> draws another sample, DTL_OPINFO_FULL=1 compares every op.
+COMM_SEED = int(os.environ.get("DTL_OPINFO_SEED", "29"))
+
+
+def _ours(fn):
+    from dtensor_lite.debug import CommDebugMode
+    with CommDebugMode() as mode:
+        out = fn()
+    _RNG_CHECKS[:] = [ours_comm(mode, "rng_check")]
+    return ours_comm(mode), out
+
+
+def _theirs(fn):
+    with TorchComm() as mode:
+        out = fn()
+    return mode.comm, out
+
+
+def _assert_no_more(ours: Comm, theirs: Comm, what=""):
+    assert ours.collectives <= theirs.collectives and ours.nbytes <= theirs.nbytes, \
+        f"{what}: ours {ours} > torch {theirs}"
+
+
+def _meshes(shape):
+    from dtensor_lite import init_device_mesh
+    return init_device_mesh("cpu", shape), torch_mesh(shape)
+
+
+# ============================================================================ reported cases
+@distributed(world_size=4)
+def test_redistribute_to_partial_keeps_the_gradient_partial():
+    """The backward of a redistribute to Partial of a Partial input: the gradient arrives
+    Partial and stays so (no all-reduce), as in PyTorch."""
+    import torch.distributed.tensor as tdt
+    from dtensor_lite import DTensor, Partial
+    mesh, tmesh = _meshes((4,))
+    local = torch.randn(4, 6)
+    x = DTensor.from_local(local, mesh, [Partial()]).requires_grad_()
+    tx = tdt.DTensor.from_local(local, tmesh, [tdt.Partial()]).requires_grad_()
+    ours, _ = _ours(lambda: x.redistribute(mesh, [Partial()]).to_local().sum().backward())
+    theirs, _ = _theirs(lambda: tx.redistribute(tmesh, [tdt.Partial()]).to_local().sum()
+                        .backward())
+    _assert_no_more(ours, theirs)
+    assert ours == Comm(0, 0) and x.grad.placements == (Partial(),)
+    # each rank's to_local() gradient (ones) is a Partial piece, as before: the global value is
+    # unchanged by keeping it unreduced (torch's to_local reads that local gradient as
+    # Replicate instead -- a semantic difference of to_local, not of the communication)
+    torch.testing.assert_close(x.grad.full_tensor(), torch.full((4, 6), 4.0))
+
+
+@distributed(world_size=4)
+def test_logsumexp_over_the_sharded_dim_gathers_once():
+    """(8, 12) Shard(1), logsumexp over dim 1, then full_tensor: one gather of the input beats
+    two all-reduces of the reduced pieces plus the final resolve under the cost model."""
+    import torch.distributed.tensor as tdt
+    from dtensor_lite import Shard, distribute_tensor
+    mesh, tmesh = _meshes((4,))
+    a = torch.randn(8, 12)
+    x, tx = distribute_tensor(a, mesh, [Shard(1)]), tdt.distribute_tensor(a, tmesh, [tdt.Shard(1)])
+    ours, got = _ours(lambda: torch.logsumexp(x, 1).full_tensor())
+    theirs, _ = _theirs(lambda: torch.logsumexp(tx, 1).full_tensor())
+    _assert_no_more(ours, theirs)
+    torch.testing.assert_close(got, torch.logsumexp(a, 1))
+
+
+@distributed(world_size=4)
+def test_large_reduction_still_reduces_pieces():
+    """The same choice by the same cost: for a large input, moving the reduced pieces (two
+    small all-reduces) beats gathering it."""
+    from dtensor_lite import Shard, distribute_tensor
+    from dtensor_lite.debug import CommDebugMode
+    mesh, _ = _meshes((4,))
+    a = torch.randn(64, 4096)
+    x = distribute_tensor(a, mesh, [Shard(1)])
+    with CommDebugMode() as comm:
+        got = torch.logsumexp(x, 1)
+    assert "all_gather" not in comm.get_comm_counts()
+    torch.testing.assert_close(got.full_tensor(), torch.logsumexp(a, 1))
+
+
+@distributed(world_size=4)
+def test_mul_of_two_partials_reduces_one():
+    """PyTorch's test_mul_partial: Partial * Partial reduces one factor (one all-reduce) and
+    stays Partial, rather than reduce-scattering both (two collectives)."""
+    import torch.distributed.tensor as tdt
+    from dtensor_lite import DTensor, Partial
+    mesh, tmesh = _meshes((4,))
+    a, b = [DTensor.from_local(torch.ones(2, 2), mesh, [Partial()]) for _ in range(2)]
+    ta, tb = [tdt.DTensor.from_local(torch.ones(2, 2), tmesh, [tdt.Partial()]) for _ in range(2)]
+    ours, got = _ours(lambda: a * b)
+    theirs, _ = _theirs(lambda: ta * tb)
+    _assert_no_more(ours, theirs)
+    assert got.placements == (Partial(),)
+    torch.testing.assert_close(got.full_tensor(), torch.full((2, 2), 16.0))
+
+
+@distributed(world_size=4)
+@pytest.mark.parametrize("dim", [0, 1, 2])
+def test_histc_with_a_range_is_partial(dim):
+    """PyTorch's test_histc: with min/max given, each rank bins its piece and the counts stay
+    Partial(sum) (no communication); without, the data's range needs the whole input."""
+    import torch.distributed.tensor as tdt
+    from dtensor_lite import Partial, Shard, distribute_tensor
+    mesh, tmesh = _meshes((4,))
+    a = torch.randn(12, 8, 8)
+    lo, hi = a.min().item(), a.max().item()
+    x, tx = distribute_tensor(a, mesh, [Shard(dim)]), tdt.distribute_tensor(a, tmesh, [tdt.Shard(dim)])
+    ours, got = _ours(lambda: x.histc(min=lo, max=hi))
+    theirs, _ = _theirs(lambda: tx.histc(min=lo, max=hi))
+    _assert_no_more(ours, theirs)
+    assert got.placements == (Partial(),)
+    torch.testing.assert_close(got.full_tensor(), a.histc(min=lo, max=hi))
+    ours, got = _ours(lambda: x.histc(bins=7))
+    theirs, _ = _theirs(lambda: tx.histc(bins=7))
+    _assert_no_more(ours, theirs)
+    torch.testing.assert_close(got.full_tensor(), a.histc(bins=7))
+
+
+# ============================================================================ TP styles
+def _tp_case(style_name, module, x, layouts):
+    """(ours, torch) Comm of forward + backward (and full_tensor of a DTensor output) of
+    ``module`` under the named style, after one unmeasured warm-up step (one-time work, such as
+    checking that the ranks' random generators agree, is not the steady state)."""
+    import tp
+    import torch.distributed.tensor as tdt
+    import torch.distributed.tensor.parallel as ttp
+    from dtensor_lite import DTensor
+    mesh, tmesh = _meshes((4,))
+    torch_layouts = {k: to_torch_placements([v])[0] for k, v in layouts.items()}
+    ours_mod = tp.parallelize_module(deepcopy(module), mesh, getattr(tp, style_name)(**layouts))
+    torch_mod = ttp.parallelize_module(deepcopy(module), tmesh,
+                                       getattr(ttp, style_name)(**torch_layouts))
+
+    def step(mod):
+        xi = x.clone().requires_grad_()
+        out = mod(xi)
+        out = out.full_tensor() if isinstance(out, (DTensor, tdt.DTensor)) else out
+        out.pow(2).sum().backward()
+    step(ours_mod)
+    step(torch_mod)
+    ours, _ = _ours(lambda: step(ours_mod))
+    theirs, _ = _theirs(lambda: step(torch_mod))
+    return _busiest([ours, theirs])
+
+
+# A local tensor declared Shard(d) may be an uneven piece (a sequence length the mesh size does
+# not divide): we exchange the pieces' shapes (one all_gather of a fixed-size row) to know the
+# global shape exactly. PyTorch assumes even pieces (global = local x n), which gives wrong
+# shapes or aborts gloo when they are not. DTensor activations (shapes known) skip it.
+SHAPE_EXCHANGE = "one shape exchange for a local Shard input: exact on uneven pieces"
+
+
+def _tp_cases():
+    """(style, module, local input, layouts, why ours may cost more or None)."""
+    from dtensor_lite import Replicate, Shard
+    lin, x = nn.Linear(10, 16), torch.randn(8, 10)
+    seq = torch.randn(2, 4, 10)  # (batch, sequence, hidden): SequenceParallel splits dim 1
+    return [
+        ("ColwiseParallel", lin, x, {}, None),
+        ("ColwiseParallel", lin, x, {"input_layouts": Shard(0)}, SHAPE_EXCHANGE),
+        ("ColwiseParallel", lin, x, {"output_layouts": Replicate()}, None),
+        ("RowwiseParallel", lin, torch.randn(8, 10), {"input_layouts": Replicate()}, None),
+        ("RowwiseParallel", lin, x, {"input_layouts": Replicate(), "output_layouts": Shard(0)},
+         None),
+        ("RowwiseParallel", nn.Linear(16, 10), torch.randn(8, 4), {}, None),
+        ("SequenceParallel", nn.LayerNorm(10), seq, {}, SHAPE_EXCHANGE),
+        ("SequenceParallel", nn.Dropout(0.5), seq, {}, SHAPE_EXCHANGE),
+    ]
+
+
+def _run_tp_comparison():
+    torch.manual_seed(0)
+    rows = []
+    for style, module, x, layouts, why in _tp_cases():
+        name = f"{style}({', '.join(f'{k}={v}' for k, v in layouts.items())}) on {module}"
+        ours, theirs = _tp_case(style, module, x, layouts)
+        rows.append((name, tuple(ours), tuple(theirs), why))
+    return rows
+
+
+def test_tp_styles_cost_no_more_than_torch():
+    rows = run_distributed(4, _run_tp_comparison, timeout=300)[0]
+    tally = {"less": 0, "same": 0, "more": 0}
+    bad = []
+    for name, ours, theirs, why in rows:
+        verdict = _verdict(Comm(*ours), Comm(*theirs))
+        tally[verdict] += 1
+        if verdict == "more" and why is None:
+            bad.append(f"{name}: ours {Comm(*ours)} > torch {Comm(*theirs)}")
+    conftest.SUMMARY_LINES.append(f"comm vs torch, TP styles: {tally['less']} cheaper, "
+                                  f"{tally['same']} same, {tally['more']} dearer (all listed)")
+    assert not bad, "\n".join(bad)
+
+
+# ============================================================================ redistribute
+REDISTRIBUTE_MESHES = {  # mesh shape -> (global shape, placement codes per mesh dim)
+    (4,): ((7, 6), ["R", "S0", "S1", "P"]),
+    (2, 2): ((8, 6), ["R", "S0", "S1", "P"]),
+    (2, 2, 2): ((4, 6, 2), ["R", "S0", "S1", "P"]),
+}
+# (mesh shape, src codes, dst codes) -> why ours costs more there
+REDISTRIBUTE_EXCEPTIONS: dict = {}
+# pairs per mesh in the suite (a fixed sample; 1-D has 18, 2-D 192, 3-D 2000 in all)
+REDISTRIBUTE_PAIRS = int(os.environ.get("DTL_COMM_PAIRS", "32"))
+
+
+def _codes_to(codes, lib):
+    if lib == "ours":
+        from dtensor_lite import Partial, Replicate, Shard
+    else:
+        from torch.distributed.tensor import Partial, Replicate, Shard
+    return [Replicate() if c == "R" else Partial() if c == "P" else Shard(int(c[1:]))
+            for c in codes]
+
+
+def _redistribute_pair(mesh, tmesh, a, src, dst):
+    """(ours fwd, ours bwd, torch fwd, torch bwd) of x.redistribute(src -> dst) and the
+    backward of its local sum; torch's x is built from our pieces (both split like
+    torch.chunk), since torch refuses to redistribute to Partial."""
+    import torch.distributed.tensor as tdt
+    from dtensor_lite import distribute_tensor
+    x = distribute_tensor(a, mesh, _codes_to(["R"] * len(src), "ours"),
+                          src_data_rank=None).redistribute(mesh, _codes_to(src, "ours"))
+    tx = tdt.DTensor.from_local(x.to_local().clone(), tmesh, _codes_to(src, "torch"),
+                                shape=a.shape, stride=a.stride())
+    out = []
+    for lib, m, t, measure in (("ours", mesh, x, _ours), ("torch", tmesh, tx, _theirs)):
+        t = t.detach().requires_grad_()
+        fwd, y = measure(lambda: t.redistribute(m, _codes_to(dst, lib)))
+        bwd, _ = measure(lambda: y.to_local().sum().backward())
+        out += [fwd, bwd]
+    return out
+
+
+def _run_redistribute_comparison(shape):
+    mesh_shape = tuple(shape)
+    gshape, codes = REDISTRIBUTE_MESHES[mesh_shape]
+    from dtensor_lite import init_device_mesh
+    mesh, tmesh = init_device_mesh("cpu", mesh_shape), torch_mesh(mesh_shape)
+    torch.manual_seed(0)
+    a = torch.randn(gshape)
+    specs = list(itertools.product(codes, repeat=len(mesh_shape)))
+    pairs = [(s, d) for s, d in itertools.product(specs, specs)
+             if s != d and not any(q == "P" != p for p, q in zip(s, d))]  # torch refuses -> P
+    if len(pairs) > REDISTRIBUTE_PAIRS:  # the 3-D mesh: a sample, rotating like op_db's
+        import random
+        pairs = random.Random(COMM_SEED).sample(pairs, REDISTRIBUTE_PAIRS)
+    worse = []
+    counts = {"less": 0, "same": 0, "more": 0}
+    for src, dst in pairs:
+        costs = _busiest(_redistribute_pair(mesh, tmesh, a, list(src), list(dst)))
+        for what, o, t in (("fwd", costs[0], costs[2]), ("bwd", costs[1], costs[3])):
+            verdict = _verdict(o, t)
+            counts[verdict] += 1
+            if verdict == "more" and (mesh_shape, src, dst) not in REDISTRIBUTE_EXCEPTIONS:
+                worse.append(f"{src} -> {dst} {what}: ours {o} > torch {t}")
+    return counts, worse
+
+
+def _verdict(ours: Comm, theirs: Comm) -> str:
+    return "less" if ours.cost < theirs.cost else "same" if ours.cost == theirs.cost else "more"
+
+
+def _busiest(comms):
+    """Each Comm of ``comms`` as the busiest rank's (the most collectives, then the most bytes,
+    over all ranks): a collective ends when its slowest rank does, and the planner prices that
+    rank too. (Per rank, uneven pieces differ in padding between the libraries; the busiest
+    rank's bytes are comparable.)"""
+    mine = torch.tensor([v for c in comms for v in (c.collectives, c.nbytes)], dtype=torch.int64)
+    dist.all_reduce(mine, op=dist.ReduceOp.MAX)
+    return [Comm(int(mine[2 * k]), int(mine[2 * k + 1])) for k in range(len(comms))]
+
+
+@pytest.mark.parametrize("shape", [(4,), (2, 2), (2, 2, 2)], ids=["1d", "2d", "3d"])
+def test_redistribute_costs_no_more_than_torch(shape):
+    world = 1
+    for n in shape:
+        world *= n
+    results = run_distributed(world, _run_redistribute_comparison, list(shape), timeout=600)
+    counts, worse = results[0]
+    conftest.SUMMARY_LINES.append(
+        f"comm vs torch, redistribute on {shape}: {counts['less']} cheaper, {counts['same']} "
+        f"same, {counts['more']} dearer (rank 0)")
+    assert not worse, "\n".join(worse)
+
+
+# ============================================================================ the whole op_db
+# The layouts of test_opinfo's op_db test, the first sample that plain torch runs per op. An
+# op either library rejects on a layout is no comparison ("skip": correctness is
+# test_opinfo's job). DTL_OPINFO_FULL=1 compares every op (DTL_OPINFO_OPS / _PASSES narrow it,
+# DTL_COMM_REPORT=<path> saves every row); the suite compares test_opinfo's daily sample.
+#
+# (op key, pass) or op key -> why ours may cost more than torch's there. Found on the seed-29
+# and seed-30 samples (40 ops per layout each), not on the whole op_db.
+#
+# An op's strategy is chosen by what its inputs must move (bytes + latency per collective),
+# not by what its result will cost its consumer: a free Partial result (or a shard moved by an
+# all_to_all) can cost more to resolve in the full_tensor that this comparison ends with than
+# torch's gather did. Pricing the result's later use needs knowing the consumer.
+OUTPUT_NOT_PRICED = "the op's choice leaves a result that costs more to resolve than torch's"
+SOFTMAX_SHARDED = ("softmax over the sharded dim keeps the logits sharded (a row max and a row "
+                   "sum all-reduced) instead of gathering them: the vocab-parallel loss "
+                   "(tp.loss_parallel) exists never to gather logits, a memory saving the "
+                   "byte cost does not price; for small inputs torch's one gather costs less")
+OP_DB_EXCEPTIONS: dict = {
+    # sync batch norm: a batch sharded over mesh dims keeps the input where it is and
+    # all-reduces per-channel sums (mean, variance; 2C numbers per reducing mesh dim, and the
+    # weight/bias gradient sums in backward), bytes O(C) whatever the batch; torch gathers the
+    # input, cheaper in collectives for op_db's 5x5x5 sample. Not yet priced: gathering a tiny
+    # batch first would need the backward to agree with the forward's choice.
+    ("nn.functional.batch_norm", "S0,S-1"): "sync-BN all-reduces statistics, never gathers",
+    # the strategy is chosen by what the inputs must move (an all_to_all of one operand, 180 B)
+    # and leaves a Partial result; resolving it for full_tensor then costs more than torch's
+    # choice of gathering two operands. The per-op choice does not price its output's later use.
+    ("baddbmm", "S0,S-1"): OUTPUT_NOT_PRICED,
+    ("addmm.decomposed", "R,S0"): OUTPUT_NOT_PRICED,  # an all_to_all of 4 B, then a reduce
+    ("diag", "S0"): OUTPUT_NOT_PRICED,  # a free Partial 10x10 matrix; torch gathers the vector
+    ("hsplit", "S0,S0"): OUTPUT_NOT_PRICED,  # Partial pieces, each reduced by full_tensor
+    ("nn.functional.upsample_bilinear", "S0,S-1"): OUTPUT_NOT_PRICED,  # an all_to_all first
+    ("_upsample_bilinear2d_aa", "S0,S-1"): OUTPUT_NOT_PRICED,  # likewise
+    ("nn.functional.interpolate.bicubic", "S0,S-1"): OUTPUT_NOT_PRICED,  # likewise
+    ("constant_pad_nd", "S0,S-1"): OUTPUT_NOT_PRICED,  # the padded output gathered (84 B)
+    # sqrt of a Partial norm reduce-scatters (half an all-reduce's bytes), and the division
+    # that follows gathers the shards back; torch all-reduces once and divides locally
+    ("masked.normalize", "S0"): OUTPUT_NOT_PRICED,
+    # grid_sampler_2d's rule makes both inputs whole (two all_gathers each on a 2-D mesh);
+    # torch keeps one input's batch shard and gathers three times
+    ("nn.functional.grid_sample", "S0,S-1"): "grid_sampler rule gathers both inputs",
+    # the decomposition reads torch.any(var < 0) on the host: ours all-reduces the flag so that
+    # every rank takes the same branch; torch issues no collective for that read
+    "nn.functional.gaussian_nll_loss": "host read of a reduced flag is made global",
+    # rrelu_with_noise has no rule: the fallback gathers the input and the noise buffer (torch
+    # gathers the input only)
+    "nn.functional.rrelu": "no rule for rrelu_with_noise (fallback gathers input and noise)",
+    "softmax": SOFTMAX_SHARDED, "softmax.with_dtype": SOFTMAX_SHARDED,
+    "log_softmax": SOFTMAX_SHARDED, "log_softmax.with_dtype": SOFTMAX_SHARDED,
+    "masked.softmax": SOFTMAX_SHARDED, "masked.log_softmax": SOFTMAX_SHARDED,
+    "masked.softmin": SOFTMAX_SHARDED, "nn.functional.softmin": SOFTMAX_SHARDED,
+    "_softmax_backward_data": SOFTMAX_SHARDED,
+    "nn.functional.softmin.with_dtype": SOFTMAX_SHARDED,
+}
+# A random op first checks that every rank's generator agrees (a 16-byte digest all-reduced
+# over each mesh dim) after anything reseeded it; PyTorch trusts the seeds and gives wrong
+# global values when they differ. set_rng_sync_mode("never") drops the check. Counted apart:
+# an op is "dearer" for this reason alone when it costs no more without the check.
+RNG_CHECK = "random-generator agreement check (set_rng_sync_mode)"
+# ops whose run on PyTorch's DTensor left its ranks in mismatched collectives here (a gloo
+# timeout that loses the whole batch): not compared
+TORCH_DIVERGES = ("fft.",)
+
+
+def _weighted_loss(outs, make_weight):
+    """A scalar that depends on every float result that requires grad (each element its own
+    weight), built the same way for both libraries."""
+    total = None
+    for o in tree_flatten(outs)[0]:
+        if not isinstance(o, torch.Tensor) or not o.is_floating_point() or not o.requires_grad:
+            continue
+        g = torch.Generator().manual_seed(o.numel())
+        term = (o * make_weight(torch.rand(o.shape, generator=g) + 0.5, o)).sum()
+        total = term if total is None else total + term
+    return total
+
+
+def _lib(name):
+    """What the comparison needs of one library: distribute, the DTensor type, a mesh maker,
+    placement constructors, and how to measure."""
+    if name == "ours":
+        import dtensor_lite as m
+        return (m.distribute_tensor, m.DTensor, lambda shape: m.init_device_mesh("cpu", shape),
+                m.Replicate, m.Shard, _ours)
+    import torch.distributed.tensor as m
+    return m.distribute_tensor, m.DTensor, torch_mesh, m.Replicate, m.Shard, _theirs
+
+
+def _one_lib_costs(lib, info, sample, mesh_shape, codes):
+    """(forward Comm, backward Comm or None, Comm of our RNG agreement checks) of one sample
+    under library ``lib``."""
+    from tests.test_opinfo import _own_storage
+    distribute, dtensor_type, make_mesh, Replicate, Shard, measure = _lib(lib)
+    mesh = make_mesh(mesh_shape)
+    args, kwargs = tree_map(_own_storage, ((sample.input, *sample.args), dict(sample.kwargs)))
+    placed = []
+
+    def place(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        pl = [Replicate()] * len(mesh_shape) if t.ndim == 0 else [
+            Replicate() if c == "R" else Shard(int(c[1:])) for c in codes(t.ndim)]
+        d = distribute(t.detach(), mesh, pl, src_data_rank=None)
+        if t.requires_grad:
+            d.requires_grad_()
+            placed.append(d)
+        return d
+    dargs, dkwargs = tree_map(place, (args, kwargs))
+
+    def forward():
+        torch.manual_seed(1)
+        out = info.op(*dargs, **dkwargs)
+        for o in tree_flatten(out)[0]:
+            if isinstance(o, dtensor_type):
+                o.full_tensor()
+        return out
+    fwd, out = measure(forward)
+    rng = _RNG_CHECKS[0] if lib == "ours" else Comm(0, 0)
+    if not placed:
+        return fwd, None, rng
+
+    def backward():
+        loss = _weighted_loss(out, lambda w, o: distribute(
+            w, o.device_mesh, [Replicate()] * len(mesh_shape), src_data_rank=None))
+        if loss is None:
+            return None
+        grads = torch.autograd.grad(loss, placed, allow_unused=True)
+        for g in grads:
+            if isinstance(g, dtensor_type):
+                g.full_tensor()
+        return True
+    bwd, ran = measure(backward)
+    if lib == "ours":
+        rng = rng + _RNG_CHECKS[0]
+    return fwd, (bwd if ran else None), rng
+
+
+def _run_op_db_comm_batch(pass_name, keys):
+    """On every rank: per op key, ("compared", fwd ours, fwd torch, bwd ours, bwd torch) of the
+    busiest rank, or ("skip", why)."""
+    from torch.testing._internal.common_methods_invocations import op_db
+    from tests.test_opinfo import OP_DB_PASSES, _op_key
+    warnings.filterwarnings("ignore")
+    by_key = {_op_key(o): o for o in op_db}
+    mesh_shape, codes = OP_DB_PASSES[pass_name]
+    results = {}
+    for key in keys:
+        info = by_key[key]
+        if os.environ.get("DTL_OPINFO_FULL") == "1":  # shows where each rank is if one hangs
+            print(f"comm op_db {pass_name} rank {dist.get_rank()}: {key}", flush=True)
+        row = ("skip", "no sample plain torch runs")
+        torch.manual_seed(0)
+        for s in info.sample_inputs("cpu", torch.float32, requires_grad=info.supports_autograd):
+            try:
+                torch.manual_seed(1)
+                info.op(s.input, *s.args, **s.kwargs)
+            except Exception:  # noqa: BLE001 - a sample plain torch rejects is no test
+                continue
+            if key.startswith(TORCH_DIVERGES):
+                row = ("skip", "torch's ranks diverge on it (TORCH_DIVERGES)")
+                break
+            costs = []
+            for lib in ("ours", "torch"):
+                try:
+                    costs.append(_one_lib_costs(lib, info, s, mesh_shape, codes))
+                except Exception as e:  # noqa: BLE001 - either library may not support it
+                    costs.append(f"{lib}: {type(e).__name__}: {str(e)[:150]}")
+            # every rank takes the same branch below (a failure is decided from metadata)
+            failed = torch.tensor([sum(isinstance(c, str) for c in costs)])
+            dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+            if int(failed):
+                row = ("skip", next((c for c in costs if isinstance(c, str)), "another rank"))
+                break
+            (of, ob, rng), (tf, tb, _) = costs
+            has_bwd = torch.tensor([int(ob is not None and tb is not None)])
+            dist.all_reduce(has_bwd, op=dist.ReduceOp.MIN)
+            if not int(has_bwd):
+                ob = tb = Comm(0, 0)
+            of, tf, ob, tb, rng = _busiest([of, tf, ob, tb, rng])
+            row = ("compared", tuple(of), tuple(tf), tuple(ob), tuple(tb), tuple(rng))
+            break
+        results[key] = row
+    return results
+
+
+def _op_db_exception(key, pass_name):
+    return OP_DB_EXCEPTIONS.get((key, pass_name)) or OP_DB_EXCEPTIONS.get(key)
+
+
+def test_op_db_costs_no_more_than_torch():
+    from tests.test_opinfo import OP_DB_PASSES, _op_db_entries
+    full = os.environ.get("DTL_OPINFO_FULL") == "1"
+    only = os.environ.get("DTL_OPINFO_OPS", "")
+    keys = [k for k, _ in _op_db_entries() if re.search(only, k)]
+    passes = os.environ.get("DTL_OPINFO_PASSES", "|".join(OP_DB_PASSES)).split("|")
+    rows = {}
+    batch_size = 8  # a hang loses one batch
+    for pass_name in passes:
+        chosen = keys if full else sorted(keys, key=lambda k: hashlib.sha256(
+            f"{COMM_SEED}/{pass_name}/{k}".encode()).hexdigest())[:OP_DB_COMM_OPS]
+        for i in range(0, len(chosen), batch_size):
+            batch = chosen[i:i + batch_size]
+            try:
+                out = run_distributed(4, _run_op_db_comm_batch, pass_name, batch,
+                                      timeout=60 + 30 * len(batch))[0]
+            except DistributedTestFailure as e:  # a hang: the batch is no comparison
+                out = {k: ("skip", f"batch failed: {str(e)[-500:]}") for k in batch}
+            rows.update({(pass_name, k): r for k, r in out.items()})
+    tally = {"less": 0, "same": 0, "more": 0, "skip": 0}
+    worse = []
+    reasons: dict = {}
+    for (pass_name, key), row in sorted(rows.items()):
+        if row[0] == "skip":
+            tally["skip"] += 1
+            continue
+        of, tf, ob, tb, rng = (Comm(*c) for c in row[1:])
+        ours, theirs = of + ob, tf + tb
+        verdict = _verdict(ours, theirs)
+        tally[verdict] += 1
+        why = _op_db_exception(key, pass_name) or (
+            RNG_CHECK if rng.collectives and ours.cost - rng.cost <= theirs.cost else None)
+        if verdict == "more":
+            reasons[why] = reasons.get(why, 0) + 1
+        if verdict == "more" and not why:
+            worse.append(f"{pass_name} {key}: ours fwd {of} bwd {ob} > torch fwd {tf} bwd {tb}")
+    line = (f"comm vs torch, op_db ({'full' if full else f'sample, seed {COMM_SEED}'}): "
+            f"{tally['less']} (op, layout) cheaper, {tally['same']} same, {tally['more']} dearer "
+            f"({tally['more'] - len(worse)} listed), {tally['skip']} not compared")
+    conftest.SUMMARY_LINES.append(line)
+    print(line, {str(k)[:40]: v for k, v in reasons.items()})
+    if os.environ.get("DTL_COMM_REPORT"):
+        import json
+        with open(os.environ["DTL_COMM_REPORT"], "w") as f:
+            json.dump({f"{p}|{k}": r for (p, k), r in rows.items()}, f, indent=1)
+    assert not worse, f"OpInfo seed {COMM_SEED}:\n" + "\n".join(worse)
+
+
+# ops per pass in the suite: the first of test_opinfo's daily sample (same seed and order)
+OP_DB_COMM_OPS = int(os.environ.get("DTL_COMM_OPS", "5"))
