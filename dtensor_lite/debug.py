@@ -317,11 +317,10 @@ class CommDebugMode:
             self._module_stack.pop()
 
     def __enter__(self):
-        from torch.distributed._tools.mod_tracker import ModTracker
         self._reset()  # as torch's: each entry counts from zero
         self._hooks = [torch.nn.modules.module.register_module_forward_pre_hook(self._pre_forward)]
         self._exit_hooks = {}
-        self._tracker = ModTracker().__enter__()
+        self._tracker = _leafless_mod_tracker().__enter__()
         _ACTIVE.append(self)
         return self
 
@@ -339,6 +338,24 @@ class CommDebugMode:
 
     def __repr__(self):
         return f"CommDebugMode(get_total_counts()={self.get_total_counts()})"
+
+
+def _leafless_mod_tracker():
+    """torch's ModTracker, except that a module's leaf inputs get no backward hook: torch's
+    registers a multi-grad hook on every input that requires grad, and such a hook on a leaf
+    fails under ``torch.autograd.grad`` ("A leaf node was passed to _will_engine_execute_node"),
+    which is how a pipeline stage takes its received activation's gradient. A leaf's gradient
+    is the end of the module's backward anyway; with only leaves the module's backward ends
+    with the backward pass, as torch's tracker already does for a module with no such input."""
+    from torch.distributed._tools.mod_tracker import ModTracker
+
+    class _LeaflessModTracker(ModTracker):
+        def _fw_pre_hook(self, mod, input):
+            kept = tuple(a for a in torch.utils._pytree.tree_leaves(input)
+                         if not (isinstance(a, torch.Tensor) and a.is_leaf))
+            return super()._fw_pre_hook(mod, kept)
+
+    return _LeaflessModTracker()
 
 
 # ---------------------------------------------------------------- implicit redistributes

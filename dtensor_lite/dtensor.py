@@ -288,6 +288,8 @@ def _redistribute_grad_target(spec: DTensorSpec, grad_spec: DTensorSpec) -> DTen
     its consumer may never need (PyTorch keeps it too). from_local's backward, which hands back
     a local piece, still reduces."""
     target = _grad_target(spec, grad_spec)
+    if grad_spec.mesh != spec.mesh:  # a cross-mesh move's gradient arrives on the other mesh
+        return target
     keep = tuple(g if p.is_partial() and g.is_partial() and p.is_linear and g.is_linear else t
                  for p, g, t in zip(spec.placements, grad_spec.placements, target.placements))
     if keep == target.placements:
