@@ -16,7 +16,9 @@ for recv" that names neither the rank nor its error. So:
 * **waiting**: :mod:`.collectives` waits for every collective here (:func:`wait_work`), in slices
   of ``POLL_INTERVAL``; between slices it reads the store and, if a rank posted, raises
   :class:`RankFailedError` naming that rank and its error. A healthy collective that finishes
-  within one slice never touches the store; a slow one reads one key per slice.
+  within one slice never touches the store; a slow one reads one key per slice. Whether a slice
+  ran out or the collective failed is read from the work's own state, never from clocks (a
+  loaded machine skews them): only the process group's timeout may fail a healthy collective.
 
 A posted failure means the job cannot go on: the failing rank skipped collectives the others
 ran, so the groups' sequences no longer match. Recreate the process groups (or restart the job)
@@ -24,7 +26,8 @@ to continue; torchrun stops the remaining workers once one exits non-zero.
 
 Only gloo waits are sliced: gloo's ``wait`` blocks the caller, while NCCL's only orders streams
 (and a timed-out NCCL wait aborts the communicator); NCCL jobs rely on NCCL's watchdog
-(``TORCH_NCCL_ASYNC_ERROR_HANDLING``) and on torchrun.
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING``) and on torchrun. Works that cannot wait with a timeout
+(PyTorch's threaded test group, some third-party backends) are waited for unsliced.
 """
 from __future__ import annotations
 

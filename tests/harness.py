@@ -509,7 +509,7 @@ def launch_processes(script: str, world_size: int, *args: str, timeout: float = 
     return [p.returncode for p in procs], outputs
 
 
-def launch_torchrun(script: str, nproc: int, *args: str, timeout: float = 240):
+def launch_torchrun(script: str, *args: str, nproc: int = 4, timeout: float = 240):
     """``python -m torch.distributed.run --standalone --nproc-per-node nproc script args`` -- a real
     torchrun job of this checkout (PYTHONPATH set to it). Returns ``(returncode, output)``."""
     import subprocess
