@@ -65,6 +65,15 @@ def retire(hold: list) -> None:
         _RETIRING = [h for h in _RETIRING if not _released(h)]
         if len(_RETIRING) > _RETIRING_CAP:
             del _RETIRING[0]
+    if _ABANDONED:  # those that finished since, once the backend let go of them too
+        _ABANDONED[:] = [a for a in _ABANDONED if not (_done(a[0]) and _released(a[1]))]
+
+
+def _done(is_done) -> bool:
+    try:
+        return bool(is_done())
+    except Exception:  # noqa: BLE001 - a work whose backend is gone: nothing runs
+        return True
 
 
 def abandon(is_done, hold: list) -> None:
@@ -77,13 +86,7 @@ def abandon(is_done, hold: list) -> None:
 def _pending() -> tuple[int, int]:
     """(holds not yet released by a backend, abandoned works still running)."""
     retire([])
-    running = 0
-    for is_done, _ in _ABANDONED:
-        try:
-            running += not is_done()
-        except Exception:  # noqa: BLE001 - a work whose backend is gone: nothing runs
-            pass
-    return len(_RETIRING), running
+    return len(_RETIRING), sum(not _done(is_done) for is_done, _ in _ABANDONED)
 
 
 def drain(timeout: float = DRAIN_SECONDS) -> tuple[int, int]:

@@ -49,11 +49,12 @@ class SlowTeardown:  # a program whose teardown takes a while (many objects, a l
 
 teardown = SlowTeardown()
 print(f"rank {dist.get_rank()}: trained, loss {float(loss):.4f}", flush=True)
-# the last collectives, one per mesh group, in flight together; the program ends right after
-pending = [DTensor.from_local(torch.ones(64), m, [Partial()]).redistribute(m, [Replicate()],
-                                                                           async_op=True)
-           for m in (world, mesh["dp"], mesh["tp"], world)]
-total = sum(float(p.to_local().sum()) for p in pending)
+def last_collectives():  # one per mesh group, in flight together; their tensors die on return
+    pending = [DTensor.from_local(torch.ones(64), m, [Partial()]).redistribute(
+        m, [Replicate()], async_op=True) for m in (world, mesh["dp"], mesh["tp"], world)]
+    return sum(float(p.to_local().sum()) for p in pending)
+
+total = last_collectives()  # and the program ends right here
 '''
 
 
@@ -96,9 +97,12 @@ model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 8))
 for layer in (model[0], model[2], model):
     fully_shard(layer, mesh=mesh)
 opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-if how == "interrupt" and rank == 1:  # Ctrl-C arrives during the second step's forward
-    model[2].register_forward_pre_hook(
-        lambda m, a: step == 1 and signal.raise_signal(signal.SIGINT))
+def interrupt(module, args):
+    if step == 1:  # Ctrl-C arrives during the second step's forward
+        signal.raise_signal(signal.SIGINT)
+
+if how == "interrupt" and rank == 1:
+    model[2].register_forward_pre_hook(interrupt)
 for step in range(3):
     with ExposedCommMode():  # completion callbacks on every collective
         model(torch.randn(4, 8)).sum().backward()
@@ -119,12 +123,12 @@ def test_ctrl_c_mid_step_and_an_error_after_training_exit_cleanly(tmp_path):
     script = tmp_path / "stopped.py"
     script.write_text(STOPPED)
     with busy_cpus(1):
-        codes, outs = launch_processes(script, 2, "interrupt", timeout=60)
+        codes, outs = launch_processes(script, 2, "interrupt", timeout=180)
         assert "terminate called" not in "".join(outs), outs
         assert codes[1] in (-signal.SIGINT, 128 + signal.SIGINT), (codes, outs[1])
         assert codes[0] == 1 and "rank 1: KeyboardInterrupt" in outs[0], (codes, outs[0])
 
-        codes, outs = launch_processes(script, 2, "after", timeout=60)
+        codes, outs = launch_processes(script, 2, "after", timeout=180)
         assert "terminate called" not in "".join(outs), outs
         assert codes[0] == 1 and "ValueError: bad result file" in outs[0], (codes, outs[0])
         assert codes[1] == 1 and "rank 0: ValueError: bad result file" in outs[1], (codes, outs[1])
