@@ -54,7 +54,13 @@ def last_collectives():  # one per mesh group, in flight together; their tensors
         m, [Replicate()], async_op=True) for m in (world, mesh["dp"], mesh["tp"], world)]
     return sum(float(p.to_local().sum()) for p in pending)
 
-total = last_collectives()  # and the program ends right here
+total = last_collectives()
+# and one it never waits for (a prefetch for a step that never comes), which rank 0 joins a bit
+# late (a loaded machine): the others' copy completes while they shut down. The program ends here.
+if dist.get_rank() == 0:
+    time.sleep(0.3)
+DTensor.from_local(torch.ones(4096), world, [Partial()]).redistribute(world, [Replicate()],
+                                                                      async_op=True)
 '''
 
 
@@ -132,3 +138,40 @@ def test_ctrl_c_mid_step_and_an_error_after_training_exit_cleanly(tmp_path):
         assert "terminate called" not in "".join(outs), outs
         assert codes[0] == 1 and "ValueError: bad result file" in outs[0], (codes, outs[0])
         assert codes[1] == 1 and "rank 0: ValueError: bad result file" in outs[1], (codes, outs[1])
+
+
+def _left_to_the_backend():
+    """Rank 1 issues an all-gather into FSDP-style buffers of its own and drops them, unwaited,
+    while rank 0 has not joined yet: the backend still holds the collective. Returns whether the
+    caller's tensor objects outlived the drop (the backend's thread would then free them, taking
+    the GIL -- at exit, an abort), and what dtensor_lite still holds after rank 0 joined."""
+    import time
+    import weakref
+
+    import torch
+    import torch.distributed as dist
+
+    from dtensor_lite import _inflight, init_device_mesh
+    from dtensor_lite import collectives as C
+
+    mesh = init_device_mesh("cpu", (2,))
+    if dist.get_rank() == 0:
+        time.sleep(0.5)
+    out, inp = torch.empty(2048), torch.ones(1024)
+    alive = weakref.ref(out), weakref.ref(inp)
+    pending = C.flat_all_gather(out, inp, mesh, 0, async_op=True)
+    del out, inp, pending  # dropped unwaited, while rank 1's backend still runs it
+    outlived = [ref() is not None for ref in alive]
+    C.all_reduce(torch.ones(1), mesh, 0)  # both ranks are past the all-gather
+    return outlived, _inflight.drain(timeout=10)
+
+
+def test_a_dropped_collective_leaves_no_python_object_to_the_backend():
+    """The backend is given private aliases only: the caller's tensors die when the caller drops
+    them, even with the collective still running, and dtensor_lite lets go of the aliases once the
+    backend has (nothing pending afterwards)."""
+    from tests.harness import run_distributed
+
+    for outlived, pending in run_distributed(2, _left_to_the_backend, timeout=120):
+        assert outlived == [False, False], outlived
+        assert pending == (0, 0), pending

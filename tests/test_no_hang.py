@@ -391,17 +391,21 @@ def _fsdp_steps_under_load(steps: int, tp: bool):
     dims = (64, 1024, 64)
     model = torch.nn.Sequential(torch.nn.Linear(dims[0], dims[1]), torch.nn.ReLU(),
                                 torch.nn.Linear(dims[1], dims[2]))
+    wrap = lambda x: x  # noqa: E731
     if tp:
+        from dtensor_lite import DTensor
+
         _mesh, dp, tp_mesh = _meshes((2, 2), ("dp", "tp"))
         _tp_by_hand(model, tp_mesh)
         fully_shard(model, mesh=dp)
+        wrap = lambda x: DTensor.from_local(x, tp_mesh, [R])  # noqa: E731
     else:
         mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         for layer in (model[0], model[2], model):
             fully_shard(layer, mesh=mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     for _ in range(steps):
-        out = model(torch.randn(8, dims[0]))
+        out = model(wrap(torch.randn(8, dims[0])))
         (out.full_tensor() if hasattr(out, "full_tensor") else out).pow(2).mean().backward()
         opt.step()
         opt.zero_grad()
