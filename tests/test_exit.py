@@ -7,8 +7,10 @@ from gloo's worker thread freeing the Python object of a collective's tensor whi
 interpreter was finalizing (see dtensor_lite/_inflight.py). It needs the worker thread to be
 delayed past the end of the program, so the launched jobs run beside a CPU-busy process, and the
 FSDP+TP script ends right after collectives in flight on every mesh group, with a slow teardown.
-The example aborted in 2 of 22 runs before the fix; a test cannot afford that many launches, so
-it runs a few (see the issue-25 note for the hand-run counts).
+The example aborted in 2 of 22 runs before the fix (0 of 12 after); a test cannot afford that
+many launches, so the launched test runs one round, and ``test_a_dropped_collective_leaves_no_
+python_object_to_the_backend`` checks the mechanism itself deterministically (it fails before
+the fix: the caller's buffer outlived its drop, left for gloo's thread to free).
 """
 from __future__ import annotations
 
@@ -71,8 +73,8 @@ def _assert_clean(code, output, what):
 
 def test_example_and_a_script_without_destroy_exit_0_under_load(tmp_path):
     """The example (FSDP+TP mesh) and an FSDP+TP script that never calls destroy_process_group,
-    launched by torchrun side by side beside a CPU-busy process, then the script again: every
-    rank exits 0, none aborts."""
+    launched by torchrun side by side beside a CPU-busy process (one round, for the suite's time;
+    the hand-run counts are in the issue-25 note): every rank exits 0, none aborts."""
     script = tmp_path / "fsdp_tp_no_destroy.py"
     script.write_text(FSDP_TP_NO_DESTROY)
     example = (EXAMPLE, "--steps", "2", "--quiet", "--mesh", "dp_shard=2,tp=2")
@@ -81,7 +83,6 @@ def test_example_and_a_script_without_destroy_exit_0_under_load(tmp_path):
                 for example_args in (example, (script,))]
         _assert_clean(*runs[0].result(), "train_llama.py")
         _assert_clean(*runs[1].result(), "the FSDP+TP script")
-        _assert_clean(*launch_torchrun(script, nproc=4), "the FSDP+TP script, again")
 
 
 # ranks of an FSDP job that stop part-way: Ctrl-C mid-step on rank 1, or an exception in user
