@@ -306,13 +306,16 @@ def _wait_on_thread(work, kind: str, group) -> None:
         waiter.start()
     done, errors = threading.Event(), []
     waiter.jobs.put((work, done, errors))
-    while not done.wait(_POLL_SECONDS):
-        failure = posted_failure()
-        if failure is not None:
-            # the waiter stays blocked in the backend until the work ends (a peer exits, or the
-            # group times out); the process must not finalize while it is (see _inflight.py)
-            _inflight.abandon(done.is_set, [])
-            raise _remote_failure(kind, group, failure)
+    try:
+        while not done.wait(_POLL_SECONDS):
+            failure = posted_failure()
+            if failure is not None:
+                raise _remote_failure(kind, group, failure)
+    except BaseException:  # that failure, or Ctrl-C
+        # the waiter stays blocked in the backend until the work ends (a peer exits, or the group
+        # times out); the process must not finalize before it is back (see _inflight.py)
+        _inflight.abandon(done.is_set, [])
+        raise
     if errors:
         _raise_failed(kind, group, errors[0])
 
