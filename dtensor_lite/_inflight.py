@@ -33,7 +33,7 @@ import torch
 __all__ = ["private", "retire", "abandon", "drain"]
 
 _RETIRING: list[list[torch.Tensor]] = []  # holds whose work completed; the backend may still hold it
-_ABANDONED: list[tuple] = []  # (is_done, hold): works whose wait raised before they completed
+_ABANDONED: list[tuple] = []  # (is_done or None, hold): works whose wait was given up
 _RETIRING_CAP = 4096  # a hold never released (a backend that keeps works) must not grow memory
 DRAIN_SECONDS = 5.0  # at exit: how long a backend thread may take to let go of completed works
 
@@ -65,28 +65,27 @@ def retire(hold: list) -> None:
         _RETIRING = [h for h in _RETIRING if not _released(h)]
         if len(_RETIRING) > _RETIRING_CAP:
             del _RETIRING[0]
-    if _ABANDONED:  # those that finished since, once the backend let go of them too
-        _ABANDONED[:] = [a for a in _ABANDONED if not (_done(a[0]) and _released(a[1]))]
+    if _ABANDONED:  # those the backend finished and let go of since
+        _ABANDONED[:] = [a for a in _ABANDONED if not _finished(a)]
 
 
-def _done(is_done) -> bool:
-    try:
-        return bool(is_done())
-    except Exception:  # noqa: BLE001 - a work whose backend is gone: nothing runs
-        return True
+def _finished(abandoned) -> bool:
+    is_done, hold = abandoned
+    return (is_done is None or is_done()) and _released(hold)
 
 
 def abandon(is_done, hold: list) -> None:
     """A wait on a work was given up before it completed (an error stopped it, or its Pending
-    was dropped unwaited): keep ``hold`` while the backend may still run the work; ``is_done()``
-    says whether it has finished."""
+    was dropped unwaited): keep ``hold`` until the backend let go of it (the backend's thread
+    keeps the work itself; keeping it here would keep its group's connections open, and a peer
+    blocked on them). ``is_done``: None, or whether a thread still blocked in it has returned."""
     _ABANDONED.append((is_done, hold))
 
 
 def _pending() -> tuple[int, int]:
     """(holds not yet released by a backend, abandoned works still running)."""
     retire([])
-    return len(_RETIRING), sum(not _done(is_done) for is_done, _ in _ABANDONED)
+    return len(_RETIRING), len(_ABANDONED)
 
 
 def drain(timeout: float = DRAIN_SECONDS) -> tuple[int, int]:

@@ -158,7 +158,7 @@ class Pending:
         done with it (at exit at the latest, see _inflight.py)."""
         work, self._work = self._work, None
         if work is not None:
-            _inflight.abandon(work.is_completed, self._hold)
+            _inflight.abandon(None, self._hold)
 
     def __del__(self):
         # a collective issued with async_op=True and dropped unwaited still runs in the backend
