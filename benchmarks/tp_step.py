@@ -43,6 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.fsdp_step import (BATCH, CFG, SEQ, _free_port, _report_profile,  # noqa: E402
                                    _timed, _worker)
+from dtensor_lite import DTensor, Partial, init_device_mesh  # noqa: E402
 from examples.llama import Llama, loss_fn  # noqa: E402
 from examples.llama_parallel import llama_tp_plan  # noqa: E402
 
@@ -138,6 +139,7 @@ def bench(case: str, steps: int, warmup: int, impls, profile_dir: str | None) ->
     times = {impl: [] for impl in impls}
     losses = {impl: [] for impl in impls}
     prof = cProfile.Profile() if profile_dir and dist.get_rank() == 0 else None
+    world_mesh = init_device_mesh("cpu", (dist.get_world_size(),))  # for the mean loss
 
     def step(impl, tokens):
         model, opt, loss_ctx, dp_rank, dp = runs[impl]
@@ -156,9 +158,11 @@ def bench(case: str, steps: int, warmup: int, impls, profile_dir: str | None) ->
             loss, elapsed = _timed(step, (impl, tokens), prof if profiling else None)
             if i >= warmup:
                 times[impl].append(elapsed)
-            mean = loss.detach().clone()  # every rank's loss; TP ranks agree, so this is the dp mean
-            dist.all_reduce(mean)
-            losses[impl].append(float(mean) / dist.get_world_size())
+            # every rank's loss; TP ranks agree, so this is the dp mean (through dtensor_lite, so
+            # nothing of it is in flight when the program ends: docs/internals.md, "Exit")
+            mean = DTensor.from_local(loss.detach().reshape(1).float(), world_mesh,
+                                      [Partial("avg")]).full_tensor()
+            losses[impl].append(float(mean))
     if prof is not None:
         _report_profile(prof, profile_dir, case, f"case {case}, rank 0, {steps} steps")
     sizes, sp, lp = CASES[case]

@@ -16,7 +16,9 @@ for recv" that names neither the rank nor its error. So:
 * **waiting**: :mod:`.collectives` waits for every collective here (:func:`wait_work`), in slices
   of ``POLL_INTERVAL``; between slices it reads the store and, if a rank posted, raises
   :class:`RankFailedError` naming that rank and its error. A healthy collective that finishes
-  within one slice never touches the store; a slow one reads one key per slice.
+  within one slice never touches the store; a slow one reads one key per slice. Whether a slice
+  ran out or the collective failed is read from the work's own state, never from clocks (a
+  loaded machine skews them): only the process group's timeout may fail a healthy collective.
 
 A posted failure means the job cannot go on: the failing rank skipped collectives the others
 ran, so the groups' sequences no longer match. Recreate the process groups (or restart the job)
@@ -24,7 +26,8 @@ to continue; torchrun stops the remaining workers once one exits non-zero.
 
 Only gloo waits are sliced: gloo's ``wait`` blocks the caller, while NCCL's only orders streams
 (and a timed-out NCCL wait aborts the communicator); NCCL jobs rely on NCCL's watchdog
-(``TORCH_NCCL_ASYNC_ERROR_HANDLING``) and on torchrun.
+(``TORCH_NCCL_ASYNC_ERROR_HANDLING``) and on torchrun. Works that cannot wait with a timeout
+(PyTorch's threaded test group, some third-party backends) are waited for unsliced.
 """
 from __future__ import annotations
 
@@ -39,7 +42,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import _caches
+from . import _caches, _inflight
 
 __all__ = ["RankFailedError", "CollectiveFailedError", "POLL_INTERVAL", "post_failure",
            "posted_failure", "propagate_failures", "wait_work", "on_kernel_error",
@@ -145,9 +148,15 @@ def propagate_failures():
     try:
         yield
     except BaseException as e:
-        if isinstance(e, Exception):  # not KeyboardInterrupt / SystemExit(0) & co
+        if _is_failure(e):
             post_failure(e)
         raise
+
+
+def _is_failure(exc: BaseException) -> bool:
+    """Whether ``exc`` stops this rank for its peers: any exception, and Ctrl-C (the others would
+    wait for it forever); not a SystemExit or a generator's close."""
+    return isinstance(exc, (Exception, KeyboardInterrupt))
 
 
 _HOOK_INSTALLED = False
@@ -163,7 +172,7 @@ def install_excepthook() -> None:
     previous = sys.excepthook
 
     def post_then_report(exc_type, exc, tb):
-        if isinstance(exc, Exception):
+        if _is_failure(exc):
             post_failure(exc)
         previous(exc_type, exc, tb)
 
@@ -212,29 +221,55 @@ def wait_work(work, kind: str, group) -> None:
     """Wait for ``work`` (a collective of ``kind`` over ``group``). On gloo, in slices of
     ``POLL_INTERVAL``: a failure another rank posted meanwhile raises :class:`RankFailedError`;
     a collective that fails itself (gloo's timeout, a peer gone) raises
-    :class:`CollectiveFailedError` and is posted for the ranks waiting elsewhere."""
+    :class:`CollectiveFailedError` and is posted for the ranks waiting elsewhere.
+
+    Whether a slice merely ran out or the collective failed is read from the work itself (is it
+    completed? then a plain ``wait()`` returns at once, or raises the collective's own error),
+    never from clocks: on a loaded machine a healthy collective may take any number of slices,
+    and only the process group's own timeout may fail it. A backend whose works cannot wait with
+    a timeout at all (PyTorch's threaded test group, some third-party backends) is waited for
+    without slices, bounded by the group's timeout alone."""
     if not _sliceable(group):
         work.wait()
         return
     if getattr(work, "timed_wait_aborts", kind == "reduce_scatter"):
-        # gloo's reduce_scatter work ignores wait's timeout (and has no future), and a send /
-        # receive pair is closed by a timed-out wait: wait for those on a thread of their own
-        # and watch the store from here (works dtensor_lite wraps say which they are)
+        # gloo's reduce_scatter work runs the collective inside wait() and ignores its timeout
+        # (and has no future), and a send / receive pair is closed by a timed-out wait: wait for
+        # those on a thread of their own and watch the store from here (works dtensor_lite wraps
+        # say which they are)
         _wait_on_thread(work, kind, group)
         return
     while True:
-        started = time.monotonic()
         try:
             if work.wait(POLL_INTERVAL) is not False:
                 return
-        except RuntimeError as e:
-            # only the slice ran out: still running after (about) a whole slice; a failed work
-            # is completed, or (some work types) raises again at once
-            if work.is_completed() or time.monotonic() - started < 0.8 * _POLL_SECONDS:
-                _raise_failed(kind, group, e)
-        failure = posted_failure()  # only this slice ran out: did some rank give up?
+        except RuntimeError as e:  # NotImplementedError too
+            if work.is_completed() or not _slice_ran_out(e):
+                # it ended during the slice (succeeded or failed: a plain wait returns at once or
+                # raises its error), or it cannot wait with a timeout (PyTorch's threaded test
+                # group, some third-party backends): wait unsliced, bounded by the group timeout
+                _wait_plain(work, kind, group)
+                return
+        failure = posted_failure()  # only the slice ran out: did some rank give up meanwhile?
         if failure is not None:
             raise _remote_failure(kind, group, failure)
+
+
+def _slice_ran_out(e: BaseException) -> bool:
+    """Whether ``e``, raised by ``wait(timeout)`` on a work not completed, says the timeout ran
+    out (gloo: "Operation timed out!") -- not that timed waits are unsupported ("wait() with
+    finite timeout not implemented") or anything else."""
+    text = str(e).lower()
+    return "timed out" in text and "not implemented" not in text
+
+
+def _wait_plain(work, kind: str, group) -> None:
+    """Wait for ``work`` without a timeout of ours; its own failure is raised named (and
+    posted), as a sliced wait's would be."""
+    try:
+        work.wait()
+    except RuntimeError as e:
+        _raise_failed(kind, group, e)
 
 
 class _Waiter(threading.Thread):
@@ -271,10 +306,16 @@ def _wait_on_thread(work, kind: str, group) -> None:
         waiter.start()
     done, errors = threading.Event(), []
     waiter.jobs.put((work, done, errors))
-    while not done.wait(_POLL_SECONDS):
-        failure = posted_failure()
-        if failure is not None:
-            raise _remote_failure(kind, group, failure)
+    try:
+        while not done.wait(_POLL_SECONDS):
+            failure = posted_failure()
+            if failure is not None:
+                raise _remote_failure(kind, group, failure)
+    except BaseException:  # that failure, or Ctrl-C
+        # the waiter stays blocked in the backend until the work ends (a peer exits, or the group
+        # times out); the process must not finalize before it is back (see _inflight.py)
+        _inflight.abandon(done.is_set, [])
+        raise
     if errors:
         _raise_failed(kind, group, errors[0])
 

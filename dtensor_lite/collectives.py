@@ -30,6 +30,7 @@ import zlib
 import torch
 import torch.distributed as dist
 
+from . import _inflight
 from ._compile import is_traced
 from ._failures import group_backend, wait_work
 from .debug import _ACTIVE, _CHECKING, _TIMERS, CommFlight, _record
@@ -116,11 +117,12 @@ class Pending:
     buffer the caller owns). ``then(fn)`` queues more local work to run on that result at wait.
     Waiting twice returns the same result."""
 
-    __slots__ = ("_work", "_finish", "_kind", "_done", "_result", "_flight", "_group")
+    __slots__ = ("_work", "_finish", "_kind", "_done", "_result", "_flight", "_group", "_hold")
 
     def __init__(self, issued, finish, kind: str):
-        work, started, group = issued if issued is not None else (None, 0.0, None)
+        work, started, group, hold = issued if issued is not None else (None, 0.0, None, None)
         self._work, self._finish, self._kind, self._group = work, finish, kind, group
+        self._hold = hold  # the private aliases the backend was given (see _inflight.py)
         self._done, self._result = False, None
         self._flight = CommFlight(kind, started, work, _TIMERS) if _TIMERS and work else None
 
@@ -136,22 +138,51 @@ class Pending:
         if not self._done:
             if self._work is not None:
                 start = time.perf_counter()
-                # in slices, watching for a failure another rank posted (see _failures.py)
-                wait_work(self._work, self._kind, self._group)
+                try:
+                    # in slices, watching for a failure another rank posted (see _failures.py)
+                    wait_work(self._work, self._kind, self._group)
+                except BaseException:
+                    self._abandon()
+                    raise
                 if self._flight is not None:
                     self._flight.waited(start, time.perf_counter())
+                # drop the work before its buffers: the backend's thread may still hold it
+                self._work = None
+                _inflight.retire(self._hold)
             self._result = self._finish()
             self._done = True
-            self._work = self._finish = self._flight = self._group = None
+            self._work = self._finish = self._flight = self._group = self._hold = None
         return self._result
+
+    def _abandon(self):
+        """This work will not be waited for (again): keep it and its buffers until the backend is
+        done with it (at exit at the latest, see _inflight.py)."""
+        work, self._work = self._work, None
+        if work is not None:
+            _inflight.abandon(None, self._hold)
+
+    def __del__(self):
+        # a collective issued with async_op=True and dropped unwaited still runs in the backend
+        try:
+            if not self._done:
+                self._abandon()
+        except (AttributeError, TypeError):  # a half-built Pending, or module teardown
+            pass
 
 
 def _issue(collective, *args, group, **kwargs):
-    """Issue ``collective`` asynchronously: (its work, when the issue call began, the group)."""
+    """Issue ``collective`` asynchronously: (its work, when the issue call began, the group, the
+    tensors the backend holds until it lets go of the work). The backend gets private aliases of
+    the tensor arguments, released only once it let go of them (see _inflight.py)."""
     if _CHECKING:
         _check_buffers_agree(collective, args, group)
     started = time.perf_counter()
-    return collective(*args, async_op=True, group=group, **kwargs), started, group
+    hold: list = []
+    args = tuple(_inflight.private(a, hold) for a in args)
+    work = collective(*args, async_op=True, group=group, **kwargs)
+    if isinstance(work, _Works):  # the tensors its works were given (e.g. views of the aliases)
+        hold = list(work.buffers)
+    return work, started, group, hold
 
 
 def dtype_code(dtype: torch.dtype) -> int:
@@ -181,7 +212,10 @@ def _check_buffers_agree(collective, args, group) -> None:
                        dtype=torch.int64, device=tensors[0].device)
     n = dist.get_world_size(group)
     rows = row.new_empty((n, row.shape[1]))
-    _all_gather_single(rows, row, group=group)
+    hold: list = []  # waited like every collective here, its buffers released likewise
+    work = _all_gather_single(_inflight.private(rows, hold), _inflight.private(row, hold),
+                              group=group, async_op=True)
+    Pending((work, time.perf_counter(), group, hold), lambda: None, "check_collectives").wait()
     if (rows == rows[0]).all():
         return
     ranks = dist.get_process_group_ranks(group)
@@ -290,6 +324,15 @@ def reduce_scatter(tensor: torch.Tensor, mesh, mesh_dim: int, reduce_op: str = "
     x = _chunks_to_group_order(x, dg).contiguous()
     if is_traced(x):
         out, work = _traced("reduce_scatter", x, dg, _TRACED_OP[reduce_op]), None
+    elif _copies_whole_buffer(x, dg.group):
+        # gloo's reduce-scatter runs inside wait() and ignores its timeout, so it could only be
+        # waited for on a thread; an all-reduce of a copy (gloo's reduce-scatter copies the whole
+        # buffer too, and is slower on one host: see _copies_whole_buffer) is waited for in slices
+        if x.untyped_storage().data_ptr() == tensor.untyped_storage().data_ptr():
+            x = x.clone()
+        work = _issue(_all_reduce_in_place, x, op=_REDUCE[reduce_op], group=dg.group)
+        chunk = x.shape[0] // n
+        out = x.narrow(0, dg.group_rank_of_coord[dg.coordinate] * chunk, chunk)
     else:
         out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
         work = _issue(_reduce_scatter_single, out, x, op=_REDUCE[reduce_op], group=dg.group)
@@ -472,7 +515,7 @@ def _copies_whole_buffer(t: torch.Tensor, group) -> bool:
 def _all_reduce_in_place(inp: torch.Tensor, op, group, async_op=True):
     """``inp`` all-reduced in place, its work wrapped: unlike gloo's reduce-scatter work, an
     all-reduce's can be waited for in slices (``_failures.wait_work``)."""
-    return _Works([dist.all_reduce(inp, op=op, group=group, async_op=True)])
+    return _Works([dist.all_reduce(inp, op=op, group=group, async_op=True)], buffers=[inp])
 
 
 def _broadcast_slots(out: torch.Tensor, inp: torch.Tensor, group, async_op=True):
@@ -482,8 +525,9 @@ def _broadcast_slots(out: torch.Tensor, inp: torch.Tensor, group, async_op=True)
     mine = out.narrow(0, me * size, size)
     if mine.data_ptr() != inp.data_ptr():
         mine.copy_(inp)
-    return _Works([dist.broadcast(out.narrow(0, k * size, size), group=group, group_src=k,
-                                  async_op=True) for k in range(n)])
+    slots = [out.narrow(0, k * size, size) for k in range(n)]
+    return _Works([dist.broadcast(slot, group=group, group_src=k, async_op=True)
+                   for k, slot in enumerate(slots)], buffers=slots)
 
 
 def _check_splits(name: str, splits, n: int, rows: int | None):
@@ -556,7 +600,8 @@ class _Works:
     __slots__ = ("works", "buffers", "timed_wait_aborts")
 
     def __init__(self, works, buffers=(), timed_wait_aborts: bool = False):
-        self.works, self.buffers = works, buffers  # buffers: alive until the bytes have moved
+        # buffers: the tensor objects the works were given (private to them: see _inflight.py)
+        self.works, self.buffers = works, buffers
         # a gloo send / receive whose wait(timeout) runs out closes the pair: _failures.wait_work
         # must not wait for it in slices (it waits on a thread of its own instead)
         self.timed_wait_aborts = timed_wait_aborts
@@ -596,6 +641,7 @@ def send_recv(tensor: torch.Tensor | None, mesh, mesh_dim: int, dst: int | None,
     if dst == me:  # a shift by a multiple of the ring: stays here
         return _launch(kind, None, lambda: tensor.clone(), async_op)
     works, started, sent, received, x = [], time.perf_counter(), 0, None, None
+    hold: list = []  # the private aliases the backend is given (see _inflight.py)
     device = tensor.device if tensor is not None else torch.device(mesh.device_type)
     # gloo's send / recv read and write host memory only: device tensors go through the host
     host = device.type != "cpu" and dist.get_backend(dg.group) == "gloo"
@@ -605,15 +651,17 @@ def send_recv(tensor: torch.Tensor | None, mesh, mesh_dim: int, dst: int | None,
             raise NotImplementedError(f"{kind} cannot be traced by torch.compile yet; run it "
                                       "eagerly (a graph break)")
         x = x.cpu() if host else x
-        works.append(dist.isend(x, dst=dg.ranks[dst], group=dg.group))
+        works.append(dist.isend(_inflight.private(x, hold), dst=dg.ranks[dst], group=dg.group))
         sent = x.numel() * x.element_size()
     if src is not None:
         if like is None or like.dtype != dtype or tuple(like.shape) != shape:
             like = torch.empty(shape, dtype=dtype, device=device)
         received = _wire(torch.empty_like(like, device="cpu" if host else device))
-        works.append(dist.irecv(received, src=dg.ranks[src], group=dg.group))
+        works.append(dist.irecv(_inflight.private(received, hold), src=dg.ranks[src],
+                                group=dg.group))
     _report(kind, sent, dg.size, mesh, mesh_dim)
-    issued = (_Works(works, (x, received), timed_wait_aborts=True), started, dg.group) if works else None
+    issued = (_Works(works, hold, timed_wait_aborts=True), started, dg.group, hold) \
+        if works else None
 
     def finish():
         if received is None:

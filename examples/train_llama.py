@@ -52,7 +52,7 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import dtensor_lite.checkpoint as dcp  # noqa: E402  (DCP, published only once complete)
-from dtensor_lite import DTensor, Partial, init_device_mesh  # noqa: E402
+from dtensor_lite import DTensor, Partial, Shard, init_device_mesh  # noqa: E402
 from dtensor_lite.debug import ExposedCommMode, MemoryTracker  # noqa: E402
 from dtensor_lite.plan import dry_run  # noqa: E402
 from dtensor_lite.plan.cli import add_cost_args, cost_models, print_report  # noqa: E402
@@ -273,8 +273,7 @@ def train(cfg: TrainConfig) -> list[float]:
         save_checkpoint(cfg.save, model, opt, cfg.steps)
     per_rank = None
     if not cfg.quiet and timings:  # every rank's numbers, for rank 0's summary
-        per_rank = [None] * world
-        dist.all_gather_object(per_rank, rank_summary(timings, device_type))
+        per_rank = gather_summaries(rank_summary(timings, device_type), world_mesh)
     if show:
         show.finish(losses, cfg.save, per_rank)
     if schedule is not None and not cfg.quiet and pp_idle:
@@ -315,6 +314,18 @@ def rank_summary(timings, device_type: str) -> dict:
             "exposed_comm_s": statistics.median(c.exposed_s for _, c in steady),
             "comm_in_flight_s": statistics.median(c.total_s for _, c in steady),
             "peak_memory_bytes": peak}
+
+
+def gather_summaries(summary: dict, world_mesh) -> list[dict]:
+    """Every rank's ``rank_summary``: its numbers as one row each of a Shard(0) DTensor, gathered
+    (through dtensor_lite like every collective of the job, so the program ends with nothing of
+    it in flight; see docs/internals.md, "Exit")."""
+    keys = list(summary)
+    row = torch.tensor([[float(summary[k]) for k in keys]], dtype=torch.float64,
+                       device=world_mesh.device_type)
+    rows = DTensor.from_local(row, world_mesh, [Shard(0)]).full_tensor().tolist()
+    return [{k: (int(v) if k in ("rank", "peak_memory_bytes") else v) for k, v in zip(keys, r)}
+            for r in rows]
 
 
 def check_shapes(cfg: TrainConfig, sizes: dict[str, int]):

@@ -54,8 +54,9 @@ import numpy
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistributedTestFailure", "DistributedTestTimeout", "distributed", "launch_processes",
-           "reinit_process_group", "run_distributed", "shutdown_pools"]
+__all__ = ["DistributedTestFailure", "DistributedTestTimeout", "busy_cpus", "distributed",
+           "launch_processes", "launch_torchrun", "reinit_process_group", "run_distributed",
+           "shutdown_pools"]
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TEST_DEVICE = os.environ.get("DTL_TEST_DEVICE", "cpu")  # "cuda": see the module docstring
@@ -506,3 +507,42 @@ def launch_processes(script: str, world_size: int, *args: str, timeout: float = 
                 p.kill()
                 p.communicate()
     return [p.returncode for p in procs], outputs
+
+
+def launch_torchrun(script: str, *args: str, nproc: int = 4, timeout: float = 240):
+    """``python -m torch.distributed.run --standalone --nproc-per-node nproc script args`` -- a real
+    torchrun job of this checkout (PYTHONPATH set to it). Returns ``(returncode, output)``."""
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=REPO_ROOT, CUDA_VISIBLE_DEVICES="", **WORKER_ENV)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+           f"--nproc-per-node={nproc}", str(script), *map(str, args)]
+    proc = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        output = proc.communicate(timeout=timeout)[0]
+        return proc.returncode, output
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers: a session of their own
+        return None, proc.communicate()[0]
+
+
+class busy_cpus:
+    """Context manager: ``n`` processes spinning on the CPU while the body runs (a loaded
+    machine), stopped by their own ids afterwards."""
+
+    def __init__(self, n: int = 1):
+        self.n, self.procs = n, []
+
+    def __enter__(self):
+        import subprocess
+
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                      for _ in range(self.n)]
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.procs:
+            p.kill()
+            p.wait()
+        self.procs = []

@@ -321,3 +321,102 @@ def test_uncaught_exception_in_a_launched_job_stops_the_other_rank(tmp_path):
     assert "RankFailedError" in outs[0] and "rank 1: ValueError: bad batch on rank 1" in outs[0]
     assert stamps["STOPPED_AT"] - stamps["FAILED_AT"] < MARGIN, stamps
     assert ended - stamps["FAILED_AT"] < 30, "the processes outlived half the group timeout"
+
+
+# ------------------------------------------------------------------ slow is not failed (issue 30)
+class _SlowWork:
+    """A stand-in for a healthy collective on a loaded machine: still running for ``slices``
+    timed waits, each of which runs out at once (the backend's clock and ours need not agree),
+    then completed. ``error``: it completes failed instead."""
+
+    def __init__(self, slices: int, error: str | None = None):
+        self.slices, self.error, self.timed_waits = slices, error, 0
+
+    def is_completed(self) -> bool:
+        return self.timed_waits >= self.slices
+
+    def wait(self, timeout=None):
+        if timeout is not None and not self.is_completed():
+            self.timed_waits += 1
+            raise RuntimeError("Operation timed out!")
+        if self.error:
+            raise RuntimeError(self.error)
+        return True
+
+
+def _wait_stand_ins():
+    from concurrent.futures import ThreadPoolExecutor
+
+    from torch._C._distributed_c10d import _create_work_from_future
+    from torch.futures import Future
+
+    from dtensor_lite._failures import wait_work
+
+    group = dist.group.WORLD  # gloo: waits are sliced
+    slow = _SlowWork(slices=3)
+    wait_work(slow, "all_reduce", group)  # ran out three times, then done: no failure
+    outcomes = [("ok", slow.timed_waits)]
+    outcomes.append(_outcome(lambda: wait_work(_SlowWork(2, "Connection closed by peer"),
+                                               "all_reduce", group))[:2])
+    # a work that cannot wait with a timeout (PyTorch's threaded group, some third-party backends)
+    # is waited for unsliced
+    fut = Future()
+    work = _create_work_from_future(fut)
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(lambda: (time.sleep(0.2), fut.set_result([])))
+        outcomes.append(_outcome(lambda: wait_work(work, "all_reduce", group))[:2])
+    return outcomes
+
+
+def test_a_slice_running_out_is_never_a_failure():
+    """Only the work's own state says it failed: a collective whose timed waits run out (even
+    "early" by our clock) is waited for again; one that completed with an error raises it, named;
+    a work whose wait(timeout) is not implemented is waited for without slices."""
+    from dtensor_lite._failures import forget_posted_failure
+
+    (ok, slices), failed, unsliced = run_distributed(1, _wait_stand_ins)[0]
+    run_distributed(1, forget_posted_failure)  # the failed stand-ins posted for nobody
+    assert (ok, slices) == ("ok", 3)
+    assert failed[0] == "CollectiveFailedError" and "Connection closed by peer" in failed[1]
+    assert unsliced == ("ok", ""), unsliced
+
+
+def _fsdp_steps_under_load(steps: int, tp: bool):
+    """FSDP (or FSDP over TP) steps whose collectives are slow enough to span several wait
+    slices on a loaded machine: every rank must finish them (no rank fails)."""
+    from fsdp import fully_shard
+    from tests.test_fsdp_tp import _meshes, _tp_by_hand
+
+    torch.manual_seed(0)
+    dims = (64, 1024, 64)
+    model = torch.nn.Sequential(torch.nn.Linear(dims[0], dims[1]), torch.nn.ReLU(),
+                                torch.nn.Linear(dims[1], dims[2]))
+    wrap = lambda x: x  # noqa: E731
+    if tp:
+        from dtensor_lite import DTensor
+
+        _mesh, dp, tp_mesh = _meshes((2, 2), ("dp", "tp"))
+        _tp_by_hand(model, tp_mesh)
+        fully_shard(model, mesh=dp)
+        wrap = lambda x: DTensor.from_local(x, tp_mesh, [R])  # noqa: E731
+    else:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        for layer in (model[0], model[2], model):
+            fully_shard(layer, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for _ in range(steps):
+        out = model(wrap(torch.randn(8, dims[0])))
+        (out.full_tensor() if hasattr(out, "full_tensor") else out).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    return "ok"
+
+
+def test_fsdp_steps_beside_busy_processes_never_fail_falsely():
+    """Issue 30: FSDP steps (and FSDP over TP) on 4 ranks while CPU-busy processes compete for
+    the cores; every collective is slow, none may be reported failed."""
+    from tests.harness import busy_cpus
+
+    with busy_cpus(2):
+        assert run_distributed(4, _fsdp_steps_under_load, 3, False, timeout=240) == ["ok"] * 4
+        assert run_distributed(4, _fsdp_steps_under_load, 1, True, timeout=240) == ["ok"] * 4
