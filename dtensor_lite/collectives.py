@@ -682,7 +682,7 @@ def exchange_pieces(sends: dict, recvs: dict, device, async_op: bool = False,
     once. Counted as ``kind`` with the bytes this rank sends."""
     group = dist.distributed_c10d._get_default_group()
     me = dist.get_rank()
-    works, keep, received = [], [], {}
+    works, hold, received = [], [], {}  # hold: the private aliases the backend is given
     started = time.perf_counter()
     sent = 0
     host = torch.device(device).type != "cpu" and "gloo" in group_backend(group)
@@ -692,19 +692,18 @@ def exchange_pieces(sends: dict, recvs: dict, device, async_op: bool = False,
         numel, dtype = recvs[peer]
         like = torch.empty(0, dtype=dtype)
         buf = _wire(torch.empty(numel, dtype=dtype, device="cpu" if host else device))
-        works.append(dist.irecv(buf, src=peer, group=group))
+        works.append(dist.irecv(_inflight.private(buf, hold), src=peer, group=group))
         received[peer] = (buf, like)
     for peer in sorted(sends):
         if peer == me:
             raise ValueError("exchange_pieces: a rank does not send to itself (copy locally)")
         x = _wire(sends[peer])
         x = x.cpu() if host else x
-        works.append(dist.isend(x, dst=peer, group=group))
-        keep.append(x)
+        works.append(dist.isend(_inflight.private(x, hold), dst=peer, group=group))
         sent += x.numel() * x.element_size()
     if _ACTIVE:
         _record(kind, sent, dist.get_world_size(), kind, tuple(sorted({me, *sends, *recvs})))
-    issued = (_Works(works, (keep, received), timed_wait_aborts=True), started, group) \
+    issued = (_Works(works, hold, timed_wait_aborts=True), started, group, hold) \
         if works else None
 
     def finish():
@@ -726,9 +725,10 @@ def send(tensor: torch.Tensor, mesh, mesh_dim: int, dst: int, *, tag: int = 0,
     if x.device.type != "cpu" and group_backend(dg.group) == "gloo":
         x = x.cpu()  # gloo's send reads host memory only
     started = time.perf_counter()
-    work = dist.isend(x, dst=dg.ranks[dst], group=dg.group, tag=tag)
+    hold: list = []  # the private alias the backend is given (see _inflight.py)
+    work = dist.isend(_inflight.private(x, hold), dst=dg.ranks[dst], group=dg.group, tag=tag)
     _report(kind, x.numel() * x.element_size(), dg.size, mesh, mesh_dim)
-    issued = (_Works([work], (x,), timed_wait_aborts=True), started, dg.group)
+    issued = (_Works([work], hold, timed_wait_aborts=True), started, dg.group, hold)
     return _launch(kind, issued, lambda: None, async_op)
 
 
@@ -742,7 +742,8 @@ def recv(shape, dtype: torch.dtype, mesh, mesh_dim: int, src: int, *, device=Non
     host = device.type != "cpu" and group_backend(dg.group) == "gloo"
     buf = _wire(torch.empty(tuple(shape), dtype=dtype, device="cpu" if host else device))
     started = time.perf_counter()
-    work = dist.irecv(buf, src=dg.ranks[src], group=dg.group, tag=tag)
+    hold: list = []
+    work = dist.irecv(_inflight.private(buf, hold), src=dg.ranks[src], group=dg.group, tag=tag)
     _report(kind, 0, dg.size, mesh, mesh_dim)
-    issued = (_Works([work], (buf,), timed_wait_aborts=True), started, dg.group)
+    issued = (_Works([work], hold, timed_wait_aborts=True), started, dg.group, hold)
     return _launch(kind, issued, lambda: _unwire(buf.to(device) if host else buf, like), async_op)

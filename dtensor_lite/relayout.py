@@ -268,6 +268,7 @@ class RelayoutPlan:
                     fill[b] += n
         device = next(iter(dsts.values())).device if dsts else torch.device("cpu")
         received = C.exchange_pieces(flat_sends, recvs, device) if flat_sends or recvs else {}
+        _release(flat_sends.values())
         del flat_sends
         cursor = {a: 0 for a in received}
         for m in moves:
@@ -290,6 +291,18 @@ class RelayoutPlan:
                     piece[box_slices(shift_box(box, m.region), dst_offset)] = \
                         flat[start:start + n].reshape([e - s for s, e in box]).to(piece.dtype)
                     cursor[a] = start + n
+        _release(received.values())
+
+
+def _release(buffers) -> None:
+    """Free the memory of this bucket's wire buffers now that their exchange finished: on CPU a
+    finished gloo work is let go of by gloo's thread (and, with it, the buffers -- see
+    _inflight.py) at a moment the scheduler picks, which would let one bucket's buffers outlive
+    the next bucket's allocation and break the 2-bucket bound. On CUDA dropping the reference is
+    the release (the allocator orders reuse)."""
+    for t in buffers:
+        if t.device.type == "cpu":
+            t.untyped_storage().resize_(0)
 
 
 _PLAN_FIGURES: dict = {}  # id(cross-mesh plan) -> (plan, pair bytes, (sent, received) per rank)
