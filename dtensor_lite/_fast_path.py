@@ -22,8 +22,8 @@ When the shortcut is not taken (every check is made per call, each a C-level rea
 * grad mode is on and an argument requires grad (autograd must record the op), or forward-mode AD
   or a functorch transform is active;
 * a ``TorchDispatchMode`` is active (fake tensors and tracing under ``torch.compile``, memory
-  trackers, torch's ``CommDebugMode``: they must see every aten op), autocast is on (it inserts
-  casts), or dtensor_lite's ``CommDebugMode`` is active.
+  trackers, torch's ``CommDebugMode``: they must see every aten op), or autocast is on (it
+  inserts casts). (dtensor_lite's ``CommDebugMode`` counts collectives: a replay has none.)
 
 A kernel error in a replay re-runs the call the ordinary way, which reports it to the other ranks
 (``_failures``) as any dispatched op does. The cache is cleared with the decisions it replays.
@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from . import _caches, _dispatch, debug
+from . import _caches, _dispatch
 from ._aliasing import COPIED_VIEWS
 from ._dispatch import _Decision
 from .dtensor import DTensor, use_torch_function
@@ -142,7 +142,7 @@ def torch_function(cls, func, types_, args=(), kwargs=None):
     # functorch transforms need no check: inside them the arguments are batched or grad-tracking
     # tensors, not DTensors
     if not dts or (grad and _any_requires_grad(*dts)) or _dispatch_modes() or _autocast() \
-            or debug._ACTIVE or _fwad._current_level >= 0:
+            or _fwad._current_level >= 0:
         return _ordinary(func, types_, args, kwargs)
     key = tuple(key)
     replay = _SHORTCUTS.get(key)
