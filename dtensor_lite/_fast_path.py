@@ -117,14 +117,17 @@ def _kwargs_key(kwargs, dts: list):
 
 
 def torch_function(cls, func, types_, args=(), kwargs=None):
-    if func in _ORDINARY:  # getters, views, Python functions: never a shortcut
-        return _ordinary(func, types_, args, kwargs)
+    # first the calls that must run the ordinary way whatever their key: functions that never
+    # shortcut (getters, views, Python code) and calls autograd must record
+    if func in _ORDINARY or (_grad_enabled() and (_any_requires_grad(*args) or (
+            kwargs and _any_requires_grad(*kwargs.values())))):
+        return _disabled(func, types_, args, kwargs) if kwargs is not None else \
+            _disabled(func, types_, args)
     # The key: the function, grad mode, each DTensor's spec, every other argument as a constant
     # (specs are interned: hashing the key never calls back into Python). Built inline: this is
     # the hot path of every call on a DTensor.
-    grad = _grad_enabled()
     dts: list = []
-    key = [func, grad]
+    key = [func, _grad_enabled()]
     for a in args:
         if type(a) is DTensor:
             dts.append(a)
@@ -141,8 +144,7 @@ def torch_function(cls, func, types_, args=(), kwargs=None):
         key.append(c)
     # functorch transforms need no check: inside them the arguments are batched or grad-tracking
     # tensors, not DTensors
-    if not dts or (grad and _any_requires_grad(*dts)) or _dispatch_modes() or _autocast() \
-            or _fwad._current_level >= 0:
+    if not dts or _dispatch_modes() or _autocast() or _fwad._current_level >= 0:
         return _ordinary(func, types_, args, kwargs)
     key = tuple(key)
     replay = _SHORTCUTS.get(key)
