@@ -165,8 +165,8 @@ def _learn(key, func, types_, args, kwargs, dts):
         out = _ordinary(func, types_, args, kwargs)
     finally:
         _dispatch.RECORDERS.remove(recorder)
-    if len(_SHORTCUTS) >= _caches.DECISIONS_MAX:
-        _SHORTCUTS.clear()  # bounded; relearning costs one ordinary call per key
+    if len(_SHORTCUTS) >= _dispatch._DECISIONS.max_size:
+        _SHORTCUTS.clear()  # bounded like the decisions replays hold; relearning is one call
     if not (type(func) in _BUILTIN_TYPES or func in _PURE_PYTHON) or not recorder or (
             isinstance(out, DTensor) and out is recorder[-1][4] and recorder[-1][0].is_view):
         _ORDINARY.add(func)  # whatever the arguments: no aten op, a view, or Python code
