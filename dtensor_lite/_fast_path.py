@@ -231,8 +231,8 @@ class _Replay:
         for fn, base, slots, kw in steps:
             for pos, _ in slots:
                 base[pos] = None
-        if len(steps) == 1 and not steps[0][3]:
-            r.single = _single_step(*steps[0][:3])
+        if len(steps) == 1:
+            r.single = _single_step(*steps[0])
         return r
 
     def run(self, dts):
@@ -259,8 +259,15 @@ class _Replay:
         return r
 
 
-def _single_step(fn, base, slots):
+def _single_step(fn, base, slots, kw):
     """The local call of a one-op replay, without the general loop for the usual shapes."""
+    if kw:
+        def call_kw(dts):
+            largs = base.copy()
+            for pos, j in slots:
+                largs[pos] = dts[j]._local_tensor
+            return fn(*largs, **kw)
+        return call_kw
     if slots == ((0, 0),) and len(base) == 1:
         return lambda dts: fn(dts[0]._local_tensor)
     if slots == ((0, 0),) and len(base) == 2:
@@ -288,14 +295,22 @@ class _SeenOps(TorchDispatchMode):
 
 
 def _quick_callable(op, args, kwargs, local_fn):
-    """``torch.<name>``, which parses its arguments in generated C++ (0.5 us less than the
-    op overload's generic parser), if calling it with these arguments on plain tensors of these
-    local shapes runs exactly ``op`` (checked once, on meta tensors); else ``local_fn``."""
+    """``torch.<name>`` or ``Tensor.<name>``, which parse their arguments in generated C++ (0.5 us
+    less than the op overload's generic parser), if calling one with these arguments on plain
+    tensors of these local shapes runs exactly ``op`` (checked once, on meta tensors); else
+    ``local_fn``."""
     if local_fn is not getattr(op, "_op", None):
         return local_fn  # a rule's own local function
-    fn = getattr(torch._C._VariableFunctions, op._schema.name.split("::")[-1], None)
-    if fn is None:
-        return local_fn
+    name = op._schema.name.split("::")[-1]
+    for fn in (getattr(torch._C._VariableFunctions, name, None), getattr(torch.Tensor, name, None)):
+        if fn is not None and _runs_exactly(fn, op, args, kwargs):
+            return fn
+    return local_fn
+
+
+def _runs_exactly(fn, op, args, kwargs) -> bool:
+    """Whether ``fn(*args, **kwargs)`` dispatches ``op`` alone, with these arguments (tried on
+    meta tensors of the same shapes and strides)."""
     def meta(a):
         return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta") \
             if isinstance(a, torch.Tensor) else a
@@ -304,16 +319,15 @@ def _quick_callable(op, args, kwargs, local_fn):
     try:
         with _SeenOps() as mode:
             fn(*margs, **mkw)
-    except Exception:  # noqa: BLE001 - another overload or signature: keep the op's own
-        return local_fn
+    except Exception:  # noqa: BLE001 - another overload or signature: not this one
+        return False
     if len(mode.seen) != 1 or mode.seen[0][0] is not op:
-        return local_fn
+        return False
     _, sargs, skw = mode.seen[0]
-    same = len(sargs) == len(margs) and all(
+    return len(sargs) == len(margs) and all(
         x is y or (not isinstance(x, torch.Tensor) and _const(x) == _const(y))
         for x, y in zip(sargs, margs)) and {k: _const(v) for k, v in skw.items()} == \
         {k: _const(v) for k, v in mkw.items()}
-    return fn if same else local_fn
 
 
 use_torch_function(torch_function)
