@@ -81,11 +81,42 @@ def _signed(a, dts: list):
 
 
 _BY_SIGN = object()  # marks sign-class keys: never equal to a by-value key of the same op
+# non-empty while _fast_path learns what one torch function dispatches: each entry is a list
+# that collects (op, args, kwargs, decision, result) for every op dispatched meanwhile
+RECORDERS: list = []
+
+
+def cache_key(op, args, kwargs, dts: list) -> tuple:
+    """The decision cache's key for one call; collects the call's DTensors into ``dts``."""
+    opid = id(op)  # OpOverload.__hash__ is a Python method; op objects live forever, ids are stable
+    if opid in _SIGN_KEYED:  # foreach / fused optimizer ops: the rule promised to read signs only
+        key = [opid, _BY_SIGN]
+        key += [_signed(a, dts) for a in args]
+        if kwargs:
+            key.append(tuple([(k, _signed(v, dts)) for k, v in kwargs.items()]))
+        return tuple(key)
+    key = [opid]
+    for a in args:
+        t = type(a)
+        if t is DTensor:
+            dts.append(a)
+            key.append(a._spec)
+        elif t in _NUMBER_TYPES:
+            key.append(t)  # 1, 1.0 and True promote differently: the type is part of the key
+            key.append(a)
+        else:
+            key.append(_key(a, dts))
+    if kwargs:
+        key.append(tuple([(k, _key(v, dts)) for k, v in kwargs.items()]))
+    return tuple(key)
+
 
 def dispatch(op, args, kwargs):
     if debug._ACTIVE:  # CommDebugMode records which op caused each collective
         with debug.comm_cause(op):
             return _dispatch(op, args, kwargs)
+    if RECORDERS:
+        return _recorded(op, args, kwargs)
     return _dispatch(op, args, kwargs)
 
 
@@ -93,35 +124,28 @@ def _dispatch(op, args, kwargs):
     # The hot path: one pass over the args builds the key and collects the DTensors. Specs are
     # interned, so hashing the key never calls back into Python.
     dts: list = []
-    opid = id(op)  # OpOverload.__hash__ is a Python method; op objects live forever, ids are stable
-    by_sign = opid in _SIGN_KEYED
-    if by_sign:  # foreach / fused optimizer ops: the rule promised to read signs only
-        key = [opid, _BY_SIGN]
-        key += [_signed(a, dts) for a in args]
-        if kwargs:
-            key.append(tuple([(k, _signed(v, dts)) for k, v in kwargs.items()]))
-    else:
-        key = [opid]
+    if id(op) in _SIGN_KEYED or kwargs:
+        key = cache_key(op, args, kwargs, dts)
+    else:  # cache_key's common case inline: positional args only
+        key = [id(op)]
         for a in args:
             t = type(a)
             if t is DTensor:
                 dts.append(a)
                 key.append(a._spec)
             elif t in _NUMBER_TYPES:
-                key.append(t)  # 1, 1.0 and True promote differently: the type is part of the key
+                key.append(t)
                 key.append(a)
             else:
                 key.append(_key(a, dts))
-        if kwargs:
-            key.append(tuple([(k, _key(v, dts)) for k, v in kwargs.items()]))
+        key = tuple(key)
     if not kwargs:
         kwargs = _EMPTY
-    key = tuple(key)
     d = _DECISIONS.get(key)
     if d is None:
         d = _decide(op, args, kwargs, dts)
-        if not by_sign or opid in _SIGN_KEYED:  # else the rule withdrew its promise: not cached
-            _DECISIONS[key] = d                 # here, the next call keys it by value
+        if len(key) < 2 or key[1] is not _BY_SIGN or id(op) in _SIGN_KEYED:
+            _DECISIONS[key] = d  # else the rule withdrew its sign promise: the next call keys by value
         return d.run(args, kwargs, dts, validate=True)
     _touch(key)
     if not d.fast:
@@ -140,14 +164,23 @@ def _dispatch(op, args, kwargs):
         raise
     if d.mutated is not None:
         return dts[d.mutated]  # in-place: the destination DTensor already has the right spec
-    spec = d.out_specs
-    r = _make_wrapper(DTensor, d.out_shape, strides=d.out_stride, dtype=d.out_dtype,
-                      device=out.device, layout=out.layout, requires_grad=False)
+    # positional: (cls, size, strides, storage_offset, memory_format, dtype, layout, device)
+    r = _make_wrapper(DTensor, d.out_shape, d.out_stride, None, None, d.out_dtype, out.layout,
+                      out.device)
     r._local_tensor = out
-    r._spec = spec
+    r._spec = d.out_specs
     if COPIED_VIEWS and d.view_src is not None:
         _aliasing.mark_if_copied_view(d, dts, r)
     return r
+
+
+def _recorded(op, args, kwargs):
+    """``_dispatch``, telling every active recorder which decision ran and what it returned."""
+    out = _dispatch(op, args, kwargs)
+    d = _DECISIONS.get(cache_key(op, args, kwargs, []))
+    for recorder in RECORDERS:
+        recorder.append((op, args, kwargs, d, out))
+    return out
 
 
 _EMPTY: dict = {}

@@ -204,9 +204,10 @@ def _factory(fill: Callable, size, *, dtype, layout, requires_grad, device_mesh,
         local = torch.zeros(outside_shape(len(shape)), dtype=dtype, device=device)
     elif global_values:
         # random values must not depend on the mesh: draw the global tensor, keep this piece
-        # (every rank's generator must be in the same state for that: see set_rng_sync_mode)
+        # (every rank's generator must be in the same state where ranks hold the same values:
+        # see set_rng_sync_mode)
         from .ops.random import ensure_rng_synced
-        ensure_rng_synced(mesh)
+        ensure_rng_synced(mesh, placements=placements)
         local = local_piece(fill(shape, dtype=dtype, device=device), spec).contiguous().clone()
     else:
         local = fill(spec.local_shape(), dtype=dtype, device=device)

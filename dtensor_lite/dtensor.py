@@ -39,7 +39,8 @@ class DTensor(torch.Tensor):
     # unset until first use, when __getattr__ waits for it
     __slots__ = ("_local_tensor", "_spec", "_pending")
 
-    # Plain torch functions go straight to aten; every decision is made in __torch_dispatch__.
+    # Every decision is made in __torch_dispatch__; ``_fast_path`` replaces this with a shortcut
+    # that replays already-decided calls needing nothing from autograd (use_torch_function).
     __torch_function__ = torch._C._disabled_torch_function_impl
 
     @staticmethod
@@ -539,3 +540,9 @@ def use_dispatcher(dispatch) -> None:
     the dispatcher needs DTensor, so DTensor cannot import the dispatcher)."""
     global _dispatch_op
     _dispatch_op = dispatch
+
+
+def use_torch_function(torch_function) -> None:
+    """Make ``torch_function(cls, func, types, args, kwargs)`` DTensor's ``__torch_function__``
+    (``_fast_path`` installs itself on import, for the same reason as ``use_dispatcher``)."""
+    DTensor.__torch_function__ = classmethod(torch_function)

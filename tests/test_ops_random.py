@@ -355,22 +355,37 @@ def test_rng_states_that_differ_are_synced_once_with_a_warning():
 
 
 @distributed(world_size=4)
-def test_every_random_op_checks_by_default_and_once_mode_only_the_first():
+def test_default_mode_checks_only_results_held_by_several_ranks():
     mesh = init_device_mesh("cpu", (4,))
-    sub = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))["b"]
+    mesh2 = init_device_mesh("cpu", (2, 2))
     torch.manual_seed(7)
     d = distribute_tensor(torch.zeros(8), mesh, [Shard(0)])
-    with CommDebugMode() as comm:  # default: one all-reduce of two int64 per op and mesh dim
+    r = distribute_tensor(torch.zeros(8), mesh, [Replicate()])
+    d2 = distribute_tensor(torch.zeros(8, 4), mesh2, [Shard(0), Replicate()])
+    with CommDebugMode() as comm:  # sharded on every mesh dim: each rank draws its own piece
         d.uniform_()
-        d.normal_()
+        torch.rand_like(d)
+    assert comm.get_total_counts() == 0
+    with CommDebugMode() as comm:  # replicated: one all-reduce of two int64 per op
+        r.uniform_()
+        torch.rand_like(r)
     assert comm.get_comm_counts_by_op() == {"rng_check": {"all_reduce": 2}}
-    set_rng_sync_mode("once")
+    with CommDebugMode() as comm:  # only over the mesh dim that replicates
+        d2.normal_()
+    assert comm.get_comm_counts_by_op() == {"rng_check": {"all_reduce": 1}}
+    set_rng_sync_mode("always")
     try:
-        manual_seed(7, mesh)  # trusted: marks the mesh as agreeing, no communication
-        with CommDebugMode() as comm:
+        with CommDebugMode() as comm:  # every op, every mesh dim
             d.uniform_()
             d.normal_()
+        assert comm.get_comm_counts_by_op() == {"rng_check": {"all_reduce": 2}}
+        set_rng_sync_mode("once")
+        manual_seed(7, mesh)  # trusted: marks the mesh as agreeing, no communication
+        with CommDebugMode() as comm:
+            r.uniform_()
+            r.normal_()
         assert comm.get_total_counts() == 0
+        sub = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))["b"]
         e = distribute_tensor(torch.zeros(8), sub, [Shard(0)])
         torch.manual_seed(1)  # same on every rank; the sub-mesh has not been checked yet
         with CommDebugMode() as comm:
@@ -378,9 +393,57 @@ def test_every_random_op_checks_by_default_and_once_mode_only_the_first():
             e.uniform_()
         assert comm.get_comm_counts() == {"all_reduce": 1}
     finally:
-        set_rng_sync_mode("always")
+        set_rng_sync_mode("replicated")
     with pytest.raises(ValueError, match="set_rng_sync_mode"):
         set_rng_sync_mode("sometimes")
+
+
+@distributed(world_size=2)
+def test_sharded_dropout_issues_no_collective_and_matches_plain_torch():
+    mesh = init_device_mesh("cpu", (2,))
+    x = torch.randn(64, 64)
+    dx = distribute_tensor(x, mesh, [Shard(0)])
+    for _ in range(2):  # the first call decides, the second is a cache hit
+        torch.manual_seed(5)
+        with CommDebugMode() as comm:
+            out = F.dropout(dx, 0.5)
+        assert comm.get_total_counts() == 0
+        torch.manual_seed(5)
+        _check(out, F.dropout(x, 0.5))
+
+
+@distributed(world_size=4)
+def test_divergent_seeds_never_give_different_replicated_values():
+    """Ranks seeded differently: a sharded draw is each rank's own piece (no value is claimed by
+    two ranks, no communication); the next replicated draw finds the divergence, warns, and
+    every rank ends up with the same values -- those of coordinate 0's generator."""
+    mesh = init_device_mesh("cpu", (2, 2))
+    torch.manual_seed(100 + dist.get_rank())
+    d = distribute_tensor(torch.zeros(4, 6), mesh, [Shard(0), Shard(1)])
+    with CommDebugMode() as comm:
+        d.uniform_()
+    assert comm.get_total_counts() == 0
+    r = distribute_tensor(torch.zeros(4, 6), mesh, [Shard(0), Replicate()])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        r.normal_()
+    assert any("differed across the ranks" in str(w.message) for w in caught)
+    pieces = [torch.empty_like(r.to_local()) for _ in range(4)]
+    dist.all_gather(pieces, r.to_local().contiguous())
+    coord = mesh.get_coordinate()
+    partner = pieces[dist.get_rank() ^ 1]  # the other rank of this row: the same piece
+    assert torch.equal(partner, r.to_local()), coord
+    # the rows now agree within themselves, not with each other: a result replicated over the
+    # whole mesh finds that and repairs it; after that every rank agrees (no warning)
+    full = distribute_tensor(torch.zeros(3), mesh, [Replicate(), Replicate()])
+    for expect_warning in (True, False):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = torch.rand_like(full)
+        assert bool(caught) == expect_warning
+        values = [torch.empty(3) for _ in range(4)]
+        dist.all_gather(values, out.to_local())
+        assert all(torch.equal(v, values[0]) for v in values)
 
 
 def test_orthogonal_init_on_dtensor_parameters():

@@ -12,10 +12,15 @@ embedded at this rank's region of a global-shaped stand-in filled with a harmles
 number of draws per element never depends on the parameter values, so the elements in this
 rank's region come out exactly as in the global op, without gathering the parameters.
 
-Ranks must draw from the same generator state: before every random op (the default mode,
-``"always"``), :func:`sync_rng_state` compares a digest of the states (one tiny all-reduce per
-mesh dim) and, if they differ, copies the state of mesh coordinate (0, ..., 0) to every rank, with
-a warning. Every op, not only the first: a rank may re-seed or draw plain random numbers between
+Ranks must draw from the same generator state wherever they claim the same values. In the
+default mode, ``"replicated"``, :func:`sync_rng_state` compares a digest of the states (one tiny
+all-reduce per mesh dim) before a random op only over the mesh dims on which the result is not
+sharded (Replicate or Partial: ranks there hold the same values) and, if they differ, copies the
+state of coordinate 0 to the others, with a warning. A result sharded on every mesh dim (a
+``Shard(0)`` dropout over a 1-D mesh) needs no agreement -- each rank keeps a piece no other rank
+holds -- so it draws with no collective and no host sync. A divergence it leaves (ranks seeded
+differently) is caught, every rank alike, at the next op whose result is replicated. The check is
+made on every such op, not only the first: a rank may re-seed or draw plain random numbers between
 two ops, and only a check that every rank makes every time tells all ranks alike -- a check made
 only where a rank saw its own generator change would be entered by some ranks and not others.
 """
@@ -43,16 +48,22 @@ aten = torch.ops.aten
 # (device type, sorted ranks) -> weak references to the generators known to agree there; weak so
 # that a collected user generator is never mistaken for a new one at the same address
 _SYNCED: dict = _caches.register({})
-_MODE = ["always"]
+_MODE = ["replicated"]
+_MODES = ("replicated", "always", "once", "never")
 
 
 def set_rng_sync_mode(mode: str) -> None:
     """When random DTensor ops check that ranks share the generator state.
 
-    ``"always"`` (default): before every random op, one all-reduce of two int64 per mesh dim
-    (one small collective's latency: 0.5-0.7 ms measured for a 64x64 dropout on 2 gloo ranks
-    of a 2-core box, a host sync on CUDA; a rank that re-seeded or drew plain random numbers on
-    its own is caught at the next random DTensor op, every rank alike).
+    ``"replicated"`` (default): before every random op whose result holds the same values on
+    several ranks -- a ``Replicate`` or ``Partial`` placement on a mesh dim of size > 1 -- one
+    all-reduce of two int64 over each such mesh dim; a result sharded on every mesh dim draws
+    with no communication (each rank keeps a piece nobody else holds, so no replicated value can
+    differ; a divergence is caught at the next replicated random op, every rank alike).
+    ``"always"``: before every random op, over every mesh dim (one small collective's latency:
+    0.5-0.7 ms measured for a 64x64 dropout on 2 gloo ranks of a 2-core box, a host sync on
+    CUDA; a rank that re-seeded or drew plain random numbers on its own is caught at the next
+    random DTensor op, every rank alike).
     ``"once"``: on the first random op over a given set of ranks (and generator), then never
     again (no communication afterwards; ranks re-seeded differently later are *not* detected:
     their replicated values silently differ).
@@ -62,9 +73,9 @@ def set_rng_sync_mode(mode: str) -> None:
 
         >>> set_rng_sync_mode("once")   # a hot loop of tiny random ops, every rank seeded alike
     """
-    if mode not in ("once", "always", "never"):
+    if mode not in _MODES:
         raise ValueError(
-            f"set_rng_sync_mode: mode must be 'once', 'always' or 'never', got {mode!r}")
+            f"set_rng_sync_mode: mode must be one of {', '.join(map(repr, _MODES))}, got {mode!r}")
     _MODE[0] = mode
 
 
@@ -87,12 +98,14 @@ def _comm_device(mesh):
         else torch.device("cpu")
 
 
-def sync_rng_state(mesh, generator: torch.Generator | None = None) -> bool:
+def sync_rng_state(mesh, generator: torch.Generator | None = None,
+                   mesh_dims: "tuple[int, ...] | None" = None) -> bool:
     """Make every rank of ``mesh`` hold the same generator state; True if they differed.
 
-    Compares a 64-bit digest of the state over every mesh dim (one all-reduce of two int64s per
-    mesh dim); only if the digests differ does it broadcast the state of mesh coordinate
-    (0, ..., 0) (about 5 KB for the CPU generator) and warn. Call it on every rank of ``mesh``.
+    Compares a 64-bit digest of the state over every mesh dim, or over ``mesh_dims`` (one
+    all-reduce of two int64s per mesh dim); only if the digests differ does it broadcast the
+    state of coordinate 0 of those dims (about 5 KB for the CPU generator) and warn. Call it on
+    every rank of ``mesh``.
     Random DTensor ops call it automatically (see :func:`set_rng_sync_mode`).
 
     Example::
@@ -107,15 +120,16 @@ def sync_rng_state(mesh, generator: torch.Generator | None = None) -> bool:
                             "little", signed=True)
     # max(d) == -max(-d) exactly when every rank holds the same digest
     t = torch.tensor([digest, -digest], dtype=torch.int64, device=device)
+    dims = range(mesh.ndim) if mesh_dims is None else mesh_dims
     with comm_cause("rng_check"):
-        for i in range(mesh.ndim):
+        for i in dims:
             t = C.all_reduce(t, mesh, i, "max")
         differed = int(t[0]) != -int(t[1])
         if differed:
             # broadcasting from coordinate 0 along each mesh dim in turn leaves every rank with
             # the state of coordinate (0, ..., 0)
             buf = state.to(device)
-            for i in range(mesh.ndim):
+            for i in dims:
                 C.broadcast(buf, mesh, i, 0)
             gen.set_state(buf.cpu())
     if differed:
@@ -126,7 +140,8 @@ def sync_rng_state(mesh, generator: torch.Generator | None = None) -> bool:
             "rank so that random DTensor ops give the same global values everywhere. Seed every "
             "rank alike (torch.manual_seed(s) on each rank) to avoid this; per-rank random "
             "streams for plain tensors need their own torch.Generator", stacklevel=2)
-    _mark_synced(mesh, gen)
+    if mesh_dims is None:
+        _mark_synced(mesh, gen)
     return differed
 
 
@@ -157,25 +172,40 @@ def manual_seed(seed: int, device_mesh) -> None:
     _mark_synced(device_mesh, gen)
 
 
-def ensure_rng_synced(mesh, generator: torch.Generator | None = None) -> None:
+def ensure_rng_synced(mesh, generator: torch.Generator | None = None,
+                      placements=None) -> None:
     """The check every random DTensor op makes before drawing (see :func:`set_rng_sync_mode`),
     for code that draws on all ranks by other means, e.g. a replicated kernel with built-in
-    dropout or a factory that draws the global tensor. Call it on every rank of ``mesh``.
+    dropout or a factory that draws the global tensor. ``placements``: those of what is drawn
+    (default: replicated everywhere), which say over which mesh dims ranks must agree. Call it
+    on every rank of ``mesh``.
 
     Example::
 
-        >>> ensure_rng_synced(mesh)   # communicates only on the first call for these ranks
+        >>> ensure_rng_synced(mesh)   # one tiny all-reduce per mesh dim
         >>> local = torch.rand(global_shape)[my_slice]
     """
-    _ensure_synced(mesh, _ranks_key(mesh), _comm_device(mesh), generator)
+    dims = None if placements is None else agreement_dims(mesh, [tuple(placements)])
+    _ensure_synced(mesh, _ranks_key(mesh), _comm_device(mesh), generator, dims)
 
 
-def _ensure_synced(mesh, ranks_key, device: torch.device, generator):
-    """Called by every random op before it draws; ``ranks_key`` is ``_ranks_key(mesh)``."""
+def agreement_dims(mesh, placements_list) -> tuple[int, ...]:
+    """The mesh dims over which ranks hold the same values of some result laid out by one of
+    ``placements_list``: those of size > 1 where a placement is not a Shard."""
+    return tuple(i for i in range(mesh.ndim) if mesh.shape[i] > 1 and
+                 any(not pl[i].is_shard() for pl in placements_list))
+
+
+def _ensure_synced(mesh, ranks_key, device: torch.device, generator, dims=None):
+    """Called by every random op before it draws; ``ranks_key`` is ``_ranks_key(mesh)``, ``dims``
+    the op's :func:`agreement_dims` (None: every mesh dim)."""
     mode = _MODE[0]
-    if mode == "never":
-        return
+    if mode == "never" or (mode == "replicated" and dims == ()):
+        return  # nothing drawn here is held by two ranks: no communication
     gen = generator if generator is not None else _default_generator(device)
+    if mode == "replicated" and dims is not None and len(dims) < mesh.ndim:
+        sync_rng_state(mesh, gen, dims)
+        return
     if mode == "once":
         known = _SYNCED.get(ranks_key)
         if known is not None and _generator_key(gen) in known:
@@ -284,16 +314,21 @@ def random_rule(call, inplace: bool, fills: dict | None = None, keep_partial: bo
     zero_here = inplace and _sum_partial_elsewhere(ref)
     first = tensor_args[0][0]
     ranks_key = _ranks_key(mesh)
+    n_out = 2 if op is aten.native_dropout.default else 1
+    # the mesh dims where ranks hold the same values of the result (or of dropout's mask, never
+    # Partial: it has out_pl's Shard dims) must draw alike; on Shard dims each keeps its own piece
+    dims = agreement_dims(mesh, [out_pl])
+    draw = getattr(op, "_op", op)  # the C++ overload, without OpOverload.__call__'s frame
 
     def local_fn(*args, **kwargs):
         dst = args[0]
-        _ensure_synced(mesh, ranks_key, args[first].device, kwargs.get("generator"))
+        _ensure_synced(mesh, ranks_key, args[first].device, kwargs.get("generator"), dims)
         args = list(args)
         for k, fill in embed_at.items():
             args[k] = _embed(args[k], region, out_shape, fill)
         for k, (shape, stride) in shape_only.items():
             args[k] = torch.empty_strided(shape, stride, dtype=args[k].dtype, device=args[k].device)
-        out = op(*args, **kwargs)
+        out = draw(*args, **kwargs)
         if inplace:
             if zero_here:
                 return dst.zero_()
@@ -302,7 +337,6 @@ def random_rule(call, inplace: bool, fills: dict | None = None, keep_partial: bo
             return type(out)(_keep(o, region) for o in out)
         return _keep(out, region)
 
-    n_out = 2 if op is aten.native_dropout.default else 1
     outs = [out_pl]
     out_orders = [out_order]
     if n_out == 2:  # dropout's mask: exact on every rank, so never Partial

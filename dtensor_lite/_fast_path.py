@@ -1,0 +1,333 @@
+"""DTensor's ``__torch_function__``: a shortcut for calls whose outcome is already decided.
+
+Entering ``__torch_dispatch__`` from C++ costs more than the op itself at small sizes (2.3 us vs
+1.3 us for an 8x8 add), and it is paid once per aten op: ``F.linear`` is two (``t``, ``mm``).
+``__torch_function__`` is entered once per *torch function*, above autograd, for about 0.9 us.
+So for a call that needs nothing from autograd, this module replays the aten ops the call
+dispatched last time, on the local pieces, and wraps only the final result.
+
+What a call dispatches is learned the first time it is seen: the call runs the ordinary way
+(through autograd and ``__torch_dispatch__``) while the dispatcher records each aten op, its
+decision and its result. The call becomes a shortcut only if every recorded op was a cache hit of
+the plain kind (``_Decision.fast``: nothing to redistribute, no custom aliasing, one tensor out)
+and writes nothing, no op is random, the last op's result is what the function returned and is
+not a view, and every DTensor the ops read is an argument of the call or an earlier op's result.
+Then the replay runs exactly the local ops the dispatcher would run, with the same non-tensor
+arguments: the key holds every non-tensor argument by type and value (floats ``0.0``/``-0.0``
+apart), the input specs, and grad mode, which is all a builtin's decomposition reads of a
+DTensor (global metadata). Anything else, or a call that is not a builtin, runs the ordinary way.
+
+When the shortcut is not taken (every check is made per call, each a C-level read):
+
+* grad mode is on and an argument requires grad (autograd must record the op), or forward-mode AD
+  or a functorch transform is active;
+* a ``TorchDispatchMode`` is active (fake tensors and tracing under ``torch.compile``, memory
+  trackers, torch's ``CommDebugMode``: they must see every aten op), or autocast is on (it
+  inserts casts). (dtensor_lite's ``CommDebugMode`` counts collectives: a replay has none.)
+
+A kernel error in a replay re-runs the call the ordinary way, which reports it to the other ranks
+(``_failures``) as any dispatched op does. The cache is cleared with the decisions it replays.
+Dynamo treats DTensor as a traceable wrapper subclass and never calls this hook while tracing.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from . import _caches, _dispatch
+from ._aliasing import COPIED_VIEWS
+from ._dispatch import _Decision
+from .dtensor import DTensor, use_torch_function
+
+__all__ = ["torch_function"]
+
+_disabled = torch._C._disabled_torch_function_impl
+_grad_enabled = torch.is_grad_enabled
+_any_requires_grad = torch._C._any_requires_grad
+_dispatch_modes = torch._C._len_torch_dispatch_stack
+_autocast = torch._C._is_any_autocast_enabled
+_make_wrapper = torch.Tensor._make_wrapper_subclass
+_fwad = torch.autograd.forward_ad
+_RANDOM = torch.Tag.nondeterministic_seeded
+_INPLACE_VIEW = torch.Tag.inplace_view
+_increment_version = torch._C._increment_version
+
+
+class _Ordinary(Exception):
+    """Raised inside a replay: run this call the ordinary way."""
+
+# builtins: their decomposition into aten ops is C++ that reads only the arguments (and grad
+# mode); Python functions may read anything (flags, globals), except these known pure ones
+_BUILTIN_TYPES = (types.BuiltinFunctionType, types.MethodDescriptorType,
+                  types.WrapperDescriptorType, types.MethodWrapperType)
+_PURE_PYTHON = {F.relu, F.silu}
+_NO_SHORTCUT = object()  # cached verdict: this key runs the ordinary way
+# functions that run the ordinary way whatever their arguments (checked before building a key)
+_ORDINARY: set = _caches.register_decisions(set())
+
+# key -> _Replay or _NO_SHORTCUT; cleared with the decisions the replays hold, and when full
+_SHORTCUTS: dict = _caches.register_decisions({})
+_CONSTANT_TYPES = (int, bool, str, type(None), torch.dtype, torch.device, torch.memory_format,
+                   torch.layout)
+
+
+def _const(a):
+    """Hashable stand-in for a non-DTensor argument the replay may bake in; None if it cannot be
+    (a plain tensor, an object whose equality is not identity of meaning)."""
+    t = type(a)
+    if t is float:
+        return (t, a) if a else (t, repr(a))  # 0.0 == -0.0 but they multiply differently
+    if t in _CONSTANT_TYPES:
+        return (t, a)
+    if t is tuple or t is list or t is torch.Size:
+        parts = []
+        for x in a:
+            c = _const(x)
+            if c is None:
+                return None
+            parts.append(c)
+        return (t, tuple(parts))
+    if t is complex:
+        return (t, repr(a))
+    return None
+
+
+def _ordinary(func, types_, args, kwargs):
+    """The call the ordinary way: through autograd to ``__torch_dispatch__``."""
+    if kwargs is None:  # the C implementation hands kwargs to PyObject_Call as they are
+        return _disabled(func, types_, args)
+    return _disabled(func, types_, args, kwargs)
+
+
+def _kwargs_key(kwargs, dts: list):
+    key = []
+    for k, v in kwargs.items():
+        if type(v) is DTensor:
+            dts.append(v)
+            key.append((k, v._spec))
+        else:
+            c = _const(v)
+            if c is None:
+                return None
+            key.append((k, c))
+    return tuple(key)
+
+
+def torch_function(cls, func, types_, args=(), kwargs=None):
+    # first the calls that must run the ordinary way whatever their key: functions that never
+    # shortcut (getters, views, Python code) and calls autograd must record
+    if func in _ORDINARY or (_grad_enabled() and (_any_requires_grad(*args) or (
+            kwargs and _any_requires_grad(*kwargs.values())))):
+        return _disabled(func, types_, args, kwargs) if kwargs is not None else \
+            _disabled(func, types_, args)
+    # The key: the function, grad mode, each DTensor's spec, every other argument as a constant
+    # (specs are interned: hashing the key never calls back into Python). Built inline: this is
+    # the hot path of every call on a DTensor.
+    dts: list = []
+    key = [func, _grad_enabled()]
+    for a in args:
+        if type(a) is DTensor:
+            dts.append(a)
+            key.append(a._spec)
+        else:
+            c = _const(a)
+            if c is None:
+                return _ordinary(func, types_, args, kwargs)
+            key.append(c)
+    if kwargs:
+        c = _kwargs_key(kwargs, dts)
+        if c is None:
+            return _ordinary(func, types_, args, kwargs)
+        key.append(c)
+    # functorch transforms need no check: inside them the arguments are batched or grad-tracking
+    # tensors, not DTensors
+    if not dts or _dispatch_modes() or _autocast() or _fwad._current_level >= 0:
+        return _ordinary(func, types_, args, kwargs)
+    key = tuple(key)
+    replay = _SHORTCUTS.get(key)
+    if replay is None:
+        return _learn(key, func, types_, args, kwargs, dts)
+    if replay is not _NO_SHORTCUT:
+        try:
+            return replay.run(dts)
+        except Exception:  # noqa: BLE001 - the ordinary path reports and raises it
+            pass
+    return _ordinary(func, types_, args, kwargs)
+
+
+def _learn(key, func, types_, args, kwargs, dts):
+    recorder: list = []
+    _dispatch.RECORDERS.append(recorder)
+    try:
+        out = _ordinary(func, types_, args, kwargs)
+    finally:
+        _dispatch.RECORDERS.remove(recorder)
+    if len(_SHORTCUTS) >= _dispatch._DECISIONS.max_size:
+        _SHORTCUTS.clear()  # bounded like the decisions replays hold; relearning is one call
+    if not (type(func) in _BUILTIN_TYPES or func in _PURE_PYTHON) or not recorder or (
+            isinstance(out, DTensor) and out is recorder[-1][4] and recorder[-1][0].is_view):
+        _ORDINARY.add(func)  # whatever the arguments: no aten op, a view, or Python code
+    else:
+        _SHORTCUTS[key] = _Replay.of(recorder, dts, out) or _NO_SHORTCUT
+    return out
+
+
+class _Replay:
+    """The local ops one call dispatched, with where each reads its DTensors from."""
+
+    __slots__ = ("steps", "single", "shape", "stride", "dtype", "spec", "written")
+
+    @staticmethod
+    def of(records, dts, out) -> "_Replay | None":
+        if not records or not isinstance(out, DTensor) or out is not records[-1][4]:
+            return None
+        if len({id(dt) for dt in dts}) != len(dts):
+            # ``a + a`` keys like ``a + b``: the replay reads arguments by position, which a call
+            # with one tensor twice cannot teach (a call with distinct ones serves both)
+            return None
+        sources = {id(dt): j for j, dt in enumerate(dts)}  # DTensor -> index in the value list
+        steps = []
+        for op, args, kwargs, d, result in records:
+            if (type(d) is not _Decision or not d.fast or _RANDOM in op.tags
+                    or type(result) is not DTensor
+                    or any(type(v) is DTensor for v in kwargs.values())
+                    # a write: only as the call's one op, and never one that re-views
+                    or (d.mutated is not None and (len(records) != 1 or _INPLACE_VIEW in op.tags))):
+                return None
+            slots = []
+            for pos in d.flat_positions:
+                j = sources.get(id(args[pos]))
+                if j is None:  # a DTensor the call did not pass in and no earlier op made
+                    return None
+                slots.append((pos, j))
+            positions = set(d.flat_positions)
+            if any(_const(a) is None for k, a in enumerate(args) if k not in positions) or \
+                    any(_const(v) is None for v in kwargs.values()):
+                return None  # a plain tensor or an object the replay could not bake in
+            if d.mutated is None:
+                sources[id(result)] = len(sources)
+            local_args = list(args)
+            for pos in d.flat_positions:
+                local_args[pos] = args[pos]._local_tensor
+            fn = _quick_callable(op, local_args, kwargs, d.local_fn)
+            steps.append((fn, list(args), tuple(slots), dict(kwargs)))
+        last = records[-1][3]
+        if last.view_src is not None:  # a view must alias its input (autograd, version counter)
+            return None
+        r = _Replay()
+        r.written = None
+        if last.mutated is not None:  # the call writes into, and returns, one of its arguments
+            r.written = sources.get(id(records[-1][4]))
+            if r.written is None or r.written >= len(dts):
+                return None
+        r.steps = tuple(steps)
+        r.single = None
+        r.shape, r.stride, r.dtype, r.spec = last.out_shape, last.out_stride, last.out_dtype, \
+            last.out_specs
+        # the records hold the call's tensors: keep nothing but positions and constants
+        for fn, base, slots, kw in steps:
+            for pos, _ in slots:
+                base[pos] = None
+        if len(steps) == 1:
+            r.single = _single_step(*steps[0])
+        return r
+
+    def run(self, dts):
+        if COPIED_VIEWS and self.written is not None:
+            raise _Ordinary  # the ordinary path refuses writes into views that copied
+        if self.single is not None:
+            out = self.single(dts)
+        else:
+            values = [dt._local_tensor for dt in dts]
+            for fn, base, slots, kw in self.steps:
+                largs = base.copy()
+                for pos, j in slots:
+                    largs[pos] = values[j]
+                values.append(fn(*largs, **kw))
+            out = values[-1]
+        if self.written is not None:
+            dst = dts[self.written]
+            _increment_version((dst,))  # as autograd counts a write into the wrapper
+            return dst
+        r = _make_wrapper(DTensor, self.shape, self.stride, None, None, self.dtype, out.layout,
+                          out.device)
+        r._local_tensor = out
+        r._spec = self.spec
+        return r
+
+
+def _single_step(fn, base, slots, kw):
+    """The local call of a one-op replay, without the general loop for the usual shapes."""
+    if kw:
+        def call_kw(dts):
+            largs = base.copy()
+            for pos, j in slots:
+                largs[pos] = dts[j]._local_tensor
+            return fn(*largs, **kw)
+        return call_kw
+    if slots == ((0, 0),) and len(base) == 1:
+        return lambda dts: fn(dts[0]._local_tensor)
+    if slots == ((0, 0),) and len(base) == 2:
+        second = base[1]
+        return lambda dts: fn(dts[0]._local_tensor, second)
+    if slots == ((0, 0), (1, 1)) and len(base) == 2:
+        return lambda dts: fn(dts[0]._local_tensor, dts[1]._local_tensor)
+
+    def call(dts):
+        largs = base.copy()
+        for pos, j in slots:
+            largs[pos] = dts[j]._local_tensor
+        return fn(*largs)
+    return call
+
+
+class _SeenOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append((func, args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def _quick_callable(op, args, kwargs, local_fn):
+    """``torch.<name>`` or ``Tensor.<name>``, which parse their arguments in generated C++ (0.5 us
+    less than the op overload's generic parser), if calling one with these arguments on plain
+    tensors of these local shapes runs exactly ``op`` (checked once, on meta tensors); else
+    ``local_fn``."""
+    if local_fn is not getattr(op, "_op", None):
+        return local_fn  # a rule's own local function
+    name = op._schema.name.split("::")[-1]
+    for fn in (getattr(torch._C._VariableFunctions, name, None), getattr(torch.Tensor, name, None)):
+        if fn is not None and _runs_exactly(fn, op, args, kwargs):
+            return fn
+    return local_fn
+
+
+def _runs_exactly(fn, op, args, kwargs) -> bool:
+    """Whether ``fn(*args, **kwargs)`` dispatches ``op`` alone, with these arguments (tried on
+    meta tensors of the same shapes and strides)."""
+    def meta(a):
+        return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta") \
+            if isinstance(a, torch.Tensor) else a
+    margs = [meta(a) for a in args]
+    mkw = {k: meta(v) for k, v in kwargs.items()}
+    try:
+        with _SeenOps() as mode:
+            fn(*margs, **mkw)
+    except Exception:  # noqa: BLE001 - another overload or signature: not this one
+        return False
+    if len(mode.seen) != 1 or mode.seen[0][0] is not op:
+        return False
+    _, sargs, skw = mode.seen[0]
+    return len(sargs) == len(margs) and all(
+        x is y or (not isinstance(x, torch.Tensor) and _const(x) == _const(y))
+        for x, y in zip(sargs, margs)) and {k: _const(v) for k, v in skw.items()} == \
+        {k: _const(v) for k, v in mkw.items()}
+
+
+use_torch_function(torch_function)

@@ -1,0 +1,97 @@
+"""DTensor's __torch_function__ shortcut (_fast_path.py): a replayed call gives what the ordinary
+path gives -- values, placements, aliasing, version counters -- and every case that needs the
+ordinary path (autograd, dispatch modes, autocast, views) still takes it."""
+import torch
+import torch.nn.functional as F
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from dtensor_lite import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
+from tests.harness import distributed
+
+
+class _Ops(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _replays(fn, *args):
+    """Run ``fn`` three times (learn, then replays); all results, the last two shortcuts."""
+    from dtensor_lite import _fast_path
+    outs = [fn(*args) for _ in range(3)]
+    assert any(v is not _fast_path._NO_SHORTCUT for v in _fast_path._SHORTCUTS.values())
+    return outs
+
+
+@distributed(world_size=2)
+def test_replayed_calls_match_plain_torch():
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    x, y, w, v = torch.randn(6, 4), torch.randn(6, 4), torch.randn(5, 4), torch.randn(4)
+    a, b = distribute_tensor(x, mesh, [Shard(0)]), distribute_tensor(y, mesh, [Shard(0)])
+    dw, dv = distribute_tensor(w, mesh, [Replicate()]), distribute_tensor(v, mesh, [Replicate()])
+    cases = [(lambda: a + b, lambda: x + y), (lambda: a * 2.5, lambda: x * 2.5),
+             (lambda: a + dv, lambda: x + v), (lambda: torch.relu(a), lambda: torch.relu(x)),
+             (lambda: F.linear(a, dw), lambda: F.linear(x, w)),
+             (lambda: a.sum(1), lambda: x.sum(1)), (lambda: a @ dw.t(), lambda: x @ w.t())]
+    for ours, ref in cases:
+        for out in _replays(ours):
+            assert isinstance(out, DTensor) and out.placements == (Shard(0),)
+            torch.testing.assert_close(out.full_tensor(), ref(), rtol=0, atol=0)
+    # a key learned from two distinct tensors replays ``a + a`` by position: still a + a
+    _replays(lambda: a + b)
+    torch.testing.assert_close((a + a).full_tensor(), x + x)
+    # 0.0 and -0.0 compare equal but are different constants
+    torch.testing.assert_close((a * 0.0).full_tensor(), x * 0.0)
+    assert torch.equal(torch.signbit((a * -0.0).full_tensor()), torch.signbit(x * -0.0))
+
+
+@distributed(world_size=2)
+def test_in_place_replay_returns_the_destination_and_bumps_its_version():
+    mesh = init_device_mesh("cpu", (2,))
+    x, y = torch.randn(4, 3), torch.randn(4, 3)
+    a, b = distribute_tensor(x, mesh, [Shard(0)]), distribute_tensor(y, mesh, [Shard(0)])
+    for k in range(3):
+        version = a._version
+        assert a.add_(b, alpha=0.5) is a
+        assert a._version == version + 1
+    torch.testing.assert_close(a.full_tensor(), x + 1.5 * y)
+    # a write into a tensor autograd saved is still caught
+    w = distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)]).requires_grad_()
+    out = (w * a).sum()
+    a.add_(b)
+    try:
+        out.backward()
+        raise AssertionError("the in-place write went unnoticed by autograd")
+    except RuntimeError as e:
+        assert "modified by an inplace operation" in str(e)
+
+
+@distributed(world_size=2)
+def test_calls_that_need_the_ordinary_path_take_it():
+    mesh = init_device_mesh("cpu", (2,))
+    a = distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)])
+    b = distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)])
+    _replays(lambda: a + b)
+    # autograd: an input that requires grad
+    c = b.detach().requires_grad_()
+    out = a + c
+    assert out.grad_fn is not None
+    out.sum().backward()
+    assert c.grad is not None
+    # a dispatch mode sees every aten op, cached or not
+    with _Ops() as mode:
+        a + b
+    assert "aten.add.Tensor" in mode.ops
+    # views stay views of their input (autograd and version counters rely on it)
+    for _ in range(3):
+        t = a.t()
+        assert t._base is a
+    # autocast changes what runs: its dtype, not the replay's
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert (a @ b).dtype == torch.bfloat16
+    assert (a @ b).dtype == torch.float32
