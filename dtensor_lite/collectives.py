@@ -322,6 +322,7 @@ def reduce_scatter(tensor: torch.Tensor, mesh, mesh_dim: int, reduce_op: str = "
     x = tensor.movedim(scatter_dim, 0) if scatter_dim else tensor
     x = _wire(_to_order_keys(x, reduce_op) if keyed else x)
     x = _chunks_to_group_order(x, dg).contiguous()
+    whole = None  # the all-reduced buffer ``out`` is a slot of, freed once the slot is copied out
     if is_traced(x):
         out, work = _traced("reduce_scatter", x, dg, _TRACED_OP[reduce_op]), None
     elif _copies_whole_buffer(x, dg.group):
@@ -332,17 +333,23 @@ def reduce_scatter(tensor: torch.Tensor, mesh, mesh_dim: int, reduce_op: str = "
             x = x.clone()
         work = _issue(_all_reduce_in_place, x, op=_REDUCE[reduce_op], group=dg.group)
         chunk = x.shape[0] // n
-        out = x.narrow(0, dg.group_rank_of_coord[dg.coordinate] * chunk, chunk)
+        out, whole = x.narrow(0, dg.group_rank_of_coord[dg.coordinate] * chunk, chunk), x
     else:
         out = x.new_empty((x.shape[0] // n,) + tuple(x.shape[1:]))
         work = _issue(_reduce_scatter_single, out, x, op=_REDUCE[reduce_op], group=dg.group)
     _report("reduce_scatter", (n - 1) * out.numel() * out.element_size(), n, mesh, mesh_dim)
 
     def finish():
+        piece = out
+        if whole is not None:
+            # a view would keep all n slots alive for as long as the result lives (a reduce-
+            # scatter's output is 1/n of its input): copy this rank's slot out, free the rest now
+            piece = out.clone()
+            whole.untyped_storage().resize_(0)
         if keyed:
-            res = _from_order_keys(out.to(_ORDER_KEY_DTYPES[tensor.dtype]), tensor.dtype)
+            res = _from_order_keys(piece.to(_ORDER_KEY_DTYPES[tensor.dtype]), tensor.dtype)
         else:
-            res = _finish_avg(_unwire(out, tensor), reduce_op, n)
+            res = _finish_avg(_unwire(piece, tensor), reduce_op, n)
         return res.movedim(0, scatter_dim) if scatter_dim else res
     return _launch("reduce_scatter", work, finish, async_op)
 
