@@ -8,7 +8,7 @@ from .spec import DTensorSpec, TensorMeta
 from .dtensor import DTensor
 from . import ops  # noqa: F401  (registers the sharding rules)
 from . import _dispatch  # noqa: F401  (installs itself as DTensor's op dispatcher)
-from . import _fast_path  # noqa: F401  (installs DTensor's __torch_function__ shortcut)
+from . import _fast_path  # noqa: F401  (DTensor's __torch_function__ shortcut: opt-in, install())
 from .redistribute import explain_redistribute, RedistributePlan
 from .api import (distribute_tensor, distribute_module, zeros, ones, empty, full, rand, randn)
 from . import checkpoint, debug, experimental, placement_types, random

@@ -544,5 +544,7 @@ def use_dispatcher(dispatch) -> None:
 
 def use_torch_function(torch_function) -> None:
     """Make ``torch_function(cls, func, types, args, kwargs)`` DTensor's ``__torch_function__``
-    (``_fast_path`` installs itself on import, for the same reason as ``use_dispatcher``)."""
-    DTensor.__torch_function__ = classmethod(torch_function)
+    (``_fast_path`` installs itself this way, for the same reason as ``use_dispatcher``); None
+    restores the default: every call goes straight to ``__torch_dispatch__``."""
+    DTensor.__torch_function__ = torch._C._disabled_torch_function_impl \
+        if torch_function is None else classmethod(torch_function)

@@ -1,6 +1,8 @@
 """DTensor's __torch_function__ shortcut (_fast_path.py): a replayed call gives what the ordinary
 path gives -- values, placements, aliasing, version counters -- and every case that needs the
 ordinary path (autograd, dispatch modes, autocast, views) still takes it."""
+import functools
+
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -19,6 +21,16 @@ class _Ops(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _with_fast_path(fn):
+    """Run the test body with the (opt-in) shortcut installed, off again after."""
+    @functools.wraps(fn)
+    def body(*args, **kwargs):
+        from dtensor_lite import _fast_path
+        with _fast_path.enabled():
+            return fn(*args, **kwargs)
+    return body
+
+
 def _replays(fn, *args):
     """Run ``fn`` three times (learn, then replays); all results, the last two shortcuts."""
     from dtensor_lite import _fast_path
@@ -28,6 +40,7 @@ def _replays(fn, *args):
 
 
 @distributed(world_size=2)
+@_with_fast_path
 def test_replayed_calls_match_plain_torch():
     mesh = init_device_mesh("cpu", (2,))
     torch.manual_seed(0)
@@ -51,6 +64,7 @@ def test_replayed_calls_match_plain_torch():
 
 
 @distributed(world_size=2)
+@_with_fast_path
 def test_in_place_replay_returns_the_destination_and_bumps_its_version():
     mesh = init_device_mesh("cpu", (2,))
     x, y = torch.randn(4, 3), torch.randn(4, 3)
@@ -72,6 +86,7 @@ def test_in_place_replay_returns_the_destination_and_bumps_its_version():
 
 
 @distributed(world_size=2)
+@_with_fast_path
 def test_calls_that_need_the_ordinary_path_take_it():
     mesh = init_device_mesh("cpu", (2,))
     a = distribute_tensor(torch.randn(4, 4), mesh, [Shard(0)])
