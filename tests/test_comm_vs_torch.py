@@ -415,23 +415,11 @@ def _lib(name):
 def _one_lib_costs(lib, info, sample, mesh_shape, codes):
     """(forward Comm, backward Comm or None, Comm of our RNG agreement checks) of one sample
     under library ``lib``."""
-    from tests.test_opinfo import _own_storage
+    from tests.test_opinfo import _own_storage, place_sample
     distribute, dtensor_type, make_mesh, Replicate, Shard, measure = _lib(lib)
     mesh = make_mesh(mesh_shape)
     args, kwargs = tree_map(_own_storage, ((sample.input, *sample.args), dict(sample.kwargs)))
-    placed = []
-
-    def place(t):
-        if not isinstance(t, torch.Tensor):
-            return t
-        pl = [Replicate()] * len(mesh_shape) if t.ndim == 0 else [
-            Replicate() if c == "R" else Shard(int(c[1:])) for c in codes(t.ndim)]
-        d = distribute(t.detach(), mesh, pl, src_data_rank=None)
-        if t.requires_grad:
-            d.requires_grad_()
-            placed.append(d)
-        return d
-    dargs, dkwargs = tree_map(place, (args, kwargs))
+    dargs, dkwargs, placed = place_sample(args, kwargs, mesh, codes, distribute, Replicate, Shard)
 
     def forward():
         torch.manual_seed(1)

@@ -211,9 +211,33 @@ def _op_db_entries():
             if torch.float32 in o.supported_dtypes("cpu") and not o.name.startswith("jiterator")]
 
 
-def _placement(code):
-    from dtensor_lite import Replicate, Shard
+def _placement(code, Replicate=None, Shard=None):
+    if Replicate is None:
+        from dtensor_lite import Replicate, Shard
     return Replicate() if code == "R" else Shard(int(code[1:]))
+
+
+def place_sample(args, kwargs, mesh, codes, distribute, Replicate=None, Shard=None):
+    """A sample's tensors distributed on ``mesh`` by the layout ``codes`` (0-d ones replicated),
+    each leaf that requires grad a DTensor leaf that does too: (args, kwargs, those leaves).
+    ``distribute`` / ``Replicate`` / ``Shard``: one library's (ours by default; the comparison
+    with torch's DTensor passes torch's)."""
+    placed = []
+
+    def place(t):
+        if not isinstance(t, torch.Tensor) or hasattr(t, "device_mesh"):  # not a DTensor yet
+            return t
+        if t.ndim == 0:
+            pl = [_placement("R", Replicate, Shard)] * mesh.ndim
+        else:
+            pl = [_placement(c, Replicate, Shard) for c in codes(t.ndim)]
+        d = distribute(t.detach(), mesh, pl, src_data_rank=None)
+        if t.requires_grad:
+            d.requires_grad_()
+            placed.append(d)
+        return d
+    dargs, dkwargs = tree_map(place, (args, kwargs))
+    return dargs, dkwargs, placed
 
 
 def _compare(got, want, what):
@@ -276,27 +300,13 @@ def _own_storage(t):
 
 def _one_case(info, sample, mesh, codes, seed):
     """One sample on one layout: forward, then backward where autograd applies."""
-    from dtensor_lite import DTensor, Replicate, distribute_tensor
+    from dtensor_lite import distribute_tensor
     args, kwargs = tree_map(_own_storage, ((sample.input, *sample.args), dict(sample.kwargs)))
     plain_leaves = [t for t in tree_flatten((args, kwargs))[0]
                     if isinstance(t, torch.Tensor) and t.requires_grad]
     torch.manual_seed(seed)
     want = info.op(*args, **kwargs)
-    placed = []
-
-    def place(t):
-        if not isinstance(t, torch.Tensor) or isinstance(t, DTensor):
-            return t
-        if t.ndim == 0:
-            pl = [Replicate()] * mesh.ndim
-        else:
-            pl = [_placement(c) for c in codes(t.ndim)]
-        d = distribute_tensor(t.detach(), mesh, pl, src_data_rank=None)
-        if t.requires_grad:
-            d.requires_grad_()
-            placed.append(d)
-        return d
-    dargs, dkwargs = tree_map(place, (args, kwargs))
+    dargs, dkwargs, placed = place_sample(args, kwargs, mesh, codes, distribute_tensor)
     torch.manual_seed(seed)
     got = info.op(*dargs, **dkwargs)
     if info.name.startswith(("empty", "new_empty")) or "empty" in info.name.split("."):
