@@ -17,6 +17,7 @@ actually ran::
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import time
@@ -320,7 +321,7 @@ class CommDebugMode:
         self._reset()  # as torch's: each entry counts from zero
         self._hooks = [torch.nn.modules.module.register_module_forward_pre_hook(self._pre_forward)]
         self._exit_hooks = {}
-        self._tracker = _leafless_mod_tracker().__enter__()
+        self._tracker = _leafless_mod_tracker_class()().__enter__()
         _ACTIVE.append(self)
         return self
 
@@ -340,7 +341,8 @@ class CommDebugMode:
         return f"CommDebugMode(get_total_counts()={self.get_total_counts()})"
 
 
-def _leafless_mod_tracker():
+@functools.cache  # the class, built on first use (importing torch's tracker costs at import)
+def _leafless_mod_tracker_class():
     """torch's ModTracker, except that a module's leaf inputs get no backward hook: torch's
     registers a multi-grad hook on every input that requires grad, and such a hook on a leaf
     fails under ``torch.autograd.grad`` ("A leaf node was passed to _will_engine_execute_node"),
@@ -355,7 +357,7 @@ def _leafless_mod_tracker():
                          if not (isinstance(a, torch.Tensor) and a.is_leaf))
             return super()._fw_pre_hook(mod, kept)
 
-    return _LeaflessModTracker()
+    return _LeaflessModTracker
 
 
 # ---------------------------------------------------------------- implicit redistributes
