@@ -21,11 +21,14 @@ import torch
 from . import debug
 from .dtensor import DTensor
 from .placements import Replicate
-from .redistribute import plan_redistribute, run_plan
-from .ops.tensor_ops import wrap_replicated
+from .redistribute import plan_redistribute, redistribute_local, run_plan
+from .spec import DTensorSpec, TensorMeta
+
+R = Replicate()
 
 __all__ = ["replicated_targets", "gather_whole", "write_back", "wrap_whole", "wrap_replicated",
-           "run_on_whole"]
+           "run_on_whole",
+           "replicated_local", "replicated_run"]
 
 def replicated_targets(dts) -> tuple:
     """Per DTensor input: None if it is already whole on every rank, else its Replicate spec."""
@@ -137,3 +140,25 @@ def run_on_whole(op, args, kwargs):
     largs = [_swap_all(a, it) for a in args]
     lkwargs = {k: _swap_all(v, it) for k, v in kwargs.items()}
     return wrap_whole(op(*largs, **lkwargs), dts[0]._spec.mesh)
+
+
+def replicated_local(dt) -> torch.Tensor:
+    """The whole global tensor of DTensor ``dt`` on this rank, as a plain tensor (no autograd:
+    for use inside Decompose functions, which run below autograd)."""
+    spec = dt._spec
+    return redistribute_local(dt._local_tensor, dt._spec, spec.with_placements((R,) * spec.mesh.ndim))
+
+
+def wrap_replicated(local: torch.Tensor, mesh):
+    """A replicated DTensor whose every rank holds ``local`` (the same values everywhere)."""
+    meta = TensorMeta(local.shape, tuple(local.stride()), local.dtype)
+    return DTensor(local, DTensorSpec(mesh, (R,) * mesh.ndim, meta))
+
+
+def replicated_run(op):
+    """Gather every DTensor argument, run ``op`` on the whole tensors and return replicated
+    results: for ops whose output shape depends on the data (nonzero, masked_select, unique),
+    which no shard layout can describe before the data is seen."""
+    def run(*args, **kwargs):
+        return run_on_whole(op, args, kwargs)
+    return run

@@ -24,13 +24,13 @@ from __future__ import annotations
 
 import torch
 
+from .._fallback import replicated_local, replicated_run, wrap_replicated
 from ..dtensor import DTensor
 from ..placements import LINEAR_REDUCE_OPS, REDUCE_OPS, Partial, Replicate, Shard
 from ..spec import DTensorSpec, TensorMeta, contiguous_stride
 from ._registry import Decompose, intercept_composite, register_rule
 from .kit import choose, input_locations, target_spec
 from .pointwise import with_scalar_zeroing
-from .tensor_ops import replicated_local, wrap_replicated, _replicated_run
 
 aten = torch.ops.aten
 R = Replicate()
@@ -445,11 +445,11 @@ def _masks_to_ids(op):
                 continue
             m = replicated_local(t) if isinstance(t, DTensor) else t
             if m.ndim == 0:  # x[True] adds a dim: no ids to speak of; do it whole
-                return _replicated_run(op)(x, indices, *args, **kwargs)
+                return replicated_run(op)(x, indices, *args, **kwargs)
             nz = m.nonzero()
             ids += [wrap_replicated(nz[:, k].contiguous(), mesh) for k in range(m.ndim)]
         if not any(t is not None for t in ids):
-            return _replicated_run(op)(x, indices, *args, **kwargs)
+            return replicated_run(op)(x, indices, *args, **kwargs)
         return op(x, ids, *args, **kwargs)
     return run
 

@@ -11,6 +11,7 @@ import torch
 from ..dtensor import DTensor
 from ..redistribute import redistribute_local
 from .. import collectives
+from .._fallback import replicated_local, replicated_run
 from ..placements import LINEAR_REDUCE_OPS, REDUCE_OPS, Partial, Replicate, Shard, reductions_mix
 from ..spec import DTensorSpec, TensorMeta, contiguous_stride
 from ._registry import Decompose, FullStrategy, register_rule
@@ -20,7 +21,7 @@ from .pointwise import _cast_keeps, with_scalar_zeroing
 aten = torch.ops.aten
 R = Replicate()
 
-__all__ = ["keep_strategy", "replicated_local", "wrap_replicated"]
+__all__ = ["keep_strategy"]
 
 
 # ------------------------------------------------------------------ helpers
@@ -52,19 +53,6 @@ def keep_strategy(spec: DTensorSpec, dim_map, partial_ok=lambda r: True, local_f
         out_orders = [tuple(out_order.get(d, ()) for d in range(out_ndim))] * n_out
     return FullStrategy(outs=[tuple(outs)] * n_out, ins=[tuple(ins)], local_fn=local_fn,
                         out_orders=out_orders, in_orders=in_orders)
-
-
-def replicated_local(dt) -> torch.Tensor:
-    """The whole global tensor of DTensor ``dt`` on this rank, as a plain tensor (no autograd:
-    for use inside Decompose functions, which run below autograd)."""
-    spec = dt._spec
-    return redistribute_local(dt._local_tensor, dt._spec, spec.with_placements((R,) * spec.mesh.ndim))
-
-
-def wrap_replicated(local: torch.Tensor, mesh):
-    """A replicated DTensor whose every rank holds ``local`` (the same values everywhere)."""
-    meta = TensorMeta(local.shape, tuple(local.stride()), local.dtype)
-    return DTensor(local, DTensorSpec(mesh, (R,) * mesh.ndim, meta))
 
 
 # ------------------------------------------------------------------ constructors and fills
@@ -448,30 +436,17 @@ def _topk(call):
 
 
 # ------------------------------------------------------------------ data-dependent shapes
-def _replicated_run(op):
-    """Gather every DTensor argument, run ``op`` on the whole tensors and return replicated
-    results: for ops whose output shape depends on the data (nonzero, masked_select, unique),
-    which no shard layout can describe before the data is seen."""
-    def run(*args, **kwargs):
-        from .._fallback import run_on_whole  # lazily: the core imports the rule families
-        return run_on_whole(op, args, kwargs)
-    return run
-
-
 @register_rule(aten.nonzero.default, aten.masked_select.default, aten._unique2.default,
                aten.unique_dim.default, aten.unique_consecutive.default,
                aten.where.default)
 def _data_dependent(call):
-    return Decompose(_replicated_run(call.op))
+    return Decompose(replicated_run(call.op))
 
 
 @register_rule(aten.masked_scatter.default, aten.masked_scatter_.default)
 def _masked_scatter(call):
     # the source is consumed in row-major order of the mask: only whole tensors line up
     return [((R,), (R,) * len(call.inputs))]
-
-
-from . import indexing  # noqa: E402,F401  (registers the indexing rules)
 
 
 @register_rule(aten.diagonal_copy.default, aten.diag_embed.default)
