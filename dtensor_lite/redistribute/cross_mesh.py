@@ -35,6 +35,8 @@ from .. import _caches
 from .. import collectives as C
 from ..placements import Replicate, Shard
 from ..spec import DTensorSpec, outside_shape
+from .executor import run_plan
+from .planner import plan_redistribute
 
 __all__ = ["CrossMeshPlan", "check_meshes", "plan_cross_mesh", "redistribute_across_meshes",
            "mesh_instances", "reduced_source", "shift_box", "box_slices"]
@@ -227,13 +229,13 @@ def redistribute_across_meshes(local: torch.Tensor, src: DTensorSpec,
                                dst: DTensorSpec) -> torch.Tensor:
     """This rank's piece of ``dst`` (on another mesh) from its piece of ``src`` (an empty one
     where this rank is outside ``src``'s mesh). Every rank in either mesh must call it."""
-    from .local import redistribute_local
     if src.shape != dst.shape:
         raise ValueError(f"redistribute across meshes: source shape {tuple(src.shape)} and "
                          f"destination shape {tuple(dst.shape)} differ")
     reduced = reduced_source(src)
     if reduced is not src:  # only the source mesh's ranks take part in reducing
-        local = redistribute_local(local, src, reduced)
+        if src.mesh.get_coordinate() is not None:
+            local = run_plan(local, plan_redistribute(src, reduced))
         src = reduced
     plan = plan_cross_mesh(src, dst)
     me = src.mesh.get_rank()

@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 
 from ..spec import DTensorSpec, normalize_placements, outside_shape
+from .cross_mesh import check_meshes, plan_cross_mesh, redistribute_across_meshes, reduced_source
 from .executor import run_plan
 from .planner import plan_redistribute
 
-__all__ = ["redistribute_local", "redistribute_target"]
+__all__ = ["redistribute_local", "redistribute_target", "explain_redistribute"]
 
 
 def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec,
@@ -21,7 +22,6 @@ def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec,
         if src.mesh._coordinate is None:  # outside the mesh: nothing held, nothing moved
             return local.new_zeros(outside_shape(dst.ndim))
     else:
-        from .cross_mesh import redistribute_across_meshes
         return redistribute_across_meshes(local, src, dst)
     if src.tensor_meta != dst.tensor_meta:  # e.g. a gradient of another dtype than its input
         src = DTensorSpec(src.mesh, src.placements, dst.tensor_meta, src.shard_order)
@@ -33,7 +33,6 @@ def redistribute_target(src: DTensorSpec, device_mesh, placements) -> DTensorSpe
     at, with the user's arguments checked."""
     mesh = src.mesh if device_mesh is None else device_mesh
     if mesh != src.mesh:
-        from .cross_mesh import check_meshes
         check_meshes(src.mesh, mesh)
     else:
         mesh = src.mesh
@@ -41,3 +40,26 @@ def redistribute_target(src: DTensorSpec, device_mesh, placements) -> DTensorSpe
         raise ValueError("redistribute needs placements, e.g. [Replicate()] or [Shard(0)]")
     placements = normalize_placements(placements, mesh, src.ndim)
     return DTensorSpec(mesh, placements, src.tensor_meta)
+
+
+def explain_redistribute(dtensor, device_mesh=None, placements=None, *, print_plan: bool = False):
+    """The plan ``dtensor.redistribute(device_mesh, placements)`` would run, without running it.
+
+    Example::
+
+        >>> plan = explain_redistribute(x, mesh, [Replicate(), Shard(0)])
+        >>> print(plan)          # steps, collectives and bytes per rank
+        >>> plan.cost            # bytes sent by the busiest rank
+    """
+    src = dtensor._spec
+    dst = redistribute_target(src, device_mesh, placements)
+    if dst.mesh != src.mesh:  # onto another mesh: the per-rank-pair boxes (cross_mesh.py)
+        plan = plan_cross_mesh(reduced_source(src), dst)
+        if print_plan:
+            print(plan)
+        return plan
+    plan = plan_redistribute(src, dst)
+    if print_plan:
+        from rich.console import Console
+        Console().print(plan.table())
+    return plan

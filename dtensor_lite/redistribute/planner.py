@@ -39,7 +39,7 @@ from ..spec import DTensorSpec, chunk_range
 from .. import _caches
 from .steps import COLLECTIVE_LATENCY_BYTES, STEP_KINDS, step_kind
 
-__all__ = ["Step", "RedistributePlan", "plan_redistribute", "explain_redistribute"]
+__all__ = ["Step", "RedistributePlan", "plan_redistribute"]
 
 
 @dataclass(frozen=True)
@@ -255,29 +255,4 @@ def plan_redistribute(src: DTensorSpec, dst: DTensorSpec) -> RedistributePlan:
     plan = _caches.cached_get(_PLANS, key)
     if plan is None:
         plan = _PLANS[key] = _build_plan(src, dst)
-    return plan
-
-
-def explain_redistribute(dtensor, device_mesh=None, placements=None, *, print_plan: bool = False):
-    """The plan ``dtensor.redistribute(device_mesh, placements)`` would run, without running it.
-
-    Example::
-
-        >>> plan = explain_redistribute(x, mesh, [Replicate(), Shard(0)])
-        >>> print(plan)          # steps, collectives and bytes per rank
-        >>> plan.cost            # bytes sent by the busiest rank
-    """
-    from .local import redistribute_target  # local imports this module
-    src = dtensor._spec
-    dst = redistribute_target(src, device_mesh, placements)
-    if dst.mesh != src.mesh:  # onto another mesh: the per-rank-pair boxes (cross_mesh.py)
-        from .cross_mesh import plan_cross_mesh, reduced_source
-        plan = plan_cross_mesh(reduced_source(src), dst)
-        if print_plan:
-            print(plan)
-        return plan
-    plan = plan_redistribute(src, dst)
-    if print_plan:
-        from rich.console import Console
-        Console().print(plan.table())
     return plan
