@@ -18,7 +18,7 @@ used as cache keys on every dispatched op, so their hashes are computed once.
 from __future__ import annotations
 
 __all__ = ["Placement", "Shard", "Replicate", "Partial", "_StridedShard", "REDUCE_OPS",
-           "LINEAR_REDUCE_OPS", "reductions_mix"]
+           "LINEAR_REDUCE_OPS", "reductions_mix", "chunk_range"]
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 _REDUCE_OP_ALIASES = {"prod": "product"}  # torch.prod's spelling of torch's "product"
@@ -34,6 +34,18 @@ def reductions_mix(reduce_ops) -> bool:
     one op decision)? The global value of e.g. Partial(sum) over Partial(max) is undefined."""
     ops = set(reduce_ops)
     return len(ops) <= 1 or ops <= set(LINEAR_REDUCE_OPS)
+
+
+def chunk_range(length: int, num_chunks: int, index: int) -> tuple[int, int]:
+    """(start, size) of chunk ``index`` when ``length`` is split like ``torch.chunk``.
+
+    The chunk size is ``ceil(length / num_chunks)``; trailing chunks may be short or empty. This is
+    what makes padded collectives exact: padding every chunk to the full chunk size and trimming
+    the concatenation to ``length`` gives back the original layout.
+    """
+    size = -(-length // num_chunks) if length else 0
+    start = min(index * size, length)
+    return start, min(size, length - start)
 
 
 class Placement:
@@ -95,7 +107,6 @@ class Shard(Placement):
         """torch's: (size, offset) of piece ``rank`` of ``num_chunks`` of a dim of
         ``curr_local_size`` (``torch.chunk``; an empty piece sits at the end).
         ``Shard.local_shard_size_and_offset(7, 4, 3)`` is ``(1, 6)``."""
-        from .spec import chunk_range  # spec builds on placements
         start, size = chunk_range(curr_local_size, num_chunks, rank)
         return size, start
 

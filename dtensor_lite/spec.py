@@ -19,7 +19,7 @@ import torch
 
 from . import _caches
 from .device_mesh import DeviceMesh
-from .placements import Placement, Replicate, Shard, _StridedShard, reductions_mix
+from .placements import Placement, Replicate, Shard, _StridedShard, chunk_range, reductions_mix
 
 __all__ = ["TensorMeta", "DTensorSpec", "chunk_range", "contiguous_stride", "normalize_placements"]
 
@@ -38,18 +38,6 @@ def contiguous_stride(shape) -> tuple[int, ...]:
         stride.append(acc)
         acc *= max(s, 1)
     return tuple(reversed(stride))
-
-
-def chunk_range(length: int, num_chunks: int, index: int) -> tuple[int, int]:
-    """(start, size) of chunk ``index`` when ``length`` is split like ``torch.chunk``.
-
-    The chunk size is ``ceil(length / num_chunks)``; trailing chunks may be short or empty. This is
-    what makes padded collectives exact: padding every chunk to the full chunk size and trimming
-    the concatenation to ``length`` gives back the original layout.
-    """
-    size = -(-length // num_chunks) if length else 0
-    start = min(index * size, length)
-    return start, min(size, length - start)
 
 
 def normalize_placements(placements, mesh: DeviceMesh, ndim: int | None) -> tuple:
