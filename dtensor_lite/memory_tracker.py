@@ -40,7 +40,7 @@ __all__ = ["MemoryTracker", "FSDP_EVENT_OBSERVERS"]
 # profiler scopes of collectives: what is allocated inside them is the backend's buffers
 _COLLECTIVE_SCOPES = ("c10d::", "gloo:", "nccl:")
 
-# fsdp.hooks calls every entry as fn(event, fsdp_state) after each of its hooks
+# fsdp.observers.notify calls every entry as fn(event, fsdp_state) after each of its hooks
 FSDP_EVENT_OBSERVERS: list[Callable] = []
 
 _PHASE = {"pre_forward": "forward", "post_forward": "forward", "pre_backward": "backward",

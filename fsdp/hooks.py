@@ -44,47 +44,12 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 
-from dtensor_lite.memory_tracker import FSDP_EVENT_OBSERVERS
-
+from .observers import OBSERVERS, notify
 from .param_group import ShardState
 from .state import FSDPState
 
 __all__ = ["pre_forward", "post_forward", "wrap_forward_method", "reshard_for_state_dict", "map_tensors",
-           "collect_tensors", "observe"]
-
-
-# ===================================================================== observers
-# one list shared with dtensor_lite's MemoryTracker, which follows FSDP's phases through it
-_OBSERVERS: list[Callable[[str, FSDPState], None]] = FSDP_EVENT_OBSERVERS
-
-
-class observe:
-    """Context manager: call ``fn(event, state)`` after every FSDP hook has done its work.
-
-    ``event`` is ``"pre_forward"``, ``"post_forward"``, ``"pre_backward"``, ``"post_backward"``
-    (the group's gradients are in and handed to the reduce-scatter) or ``"end_of_backward"``
-    (``state`` is the root's). Recomputation inside backward (activation checkpointing) is not
-    reported. For tools that follow groups through a step (memory tracking, tests)::
-
-        >>> with observe(lambda event, state: print(event, state.group)):
-        ...     model(x).sum().backward()
-    """
-
-    def __init__(self, fn: Callable[[str, FSDPState], None]):
-        self.fn = fn
-
-    def __enter__(self):
-        _OBSERVERS.append(self.fn)
-        return self
-
-    def __exit__(self, *exc):
-        _OBSERVERS.remove(self.fn)
-        return False
-
-
-def _notify(event: str, state: FSDPState):
-    for fn in list(_OBSERVERS):
-        fn(event, state)
+           "collect_tensors"]
 
 
 # ===================================================================== autograd glue
@@ -113,8 +78,8 @@ def _post_backward(group, grads):
     group.uses_pending = max(group.uses_pending - 1, 0)
     if group.uses_pending == 0:
         ctx.finish_group(group)
-    if _OBSERVERS:
-        _notify("post_backward", group.modules[0].__dict__["_fsdp_state"])
+    if OBSERVERS:
+        notify("post_backward", group.modules[0].__dict__["_fsdp_state"])
 
 
 def _publish_for_forward(group, counted: bool = True):
@@ -174,8 +139,8 @@ def pre_forward(state: FSDPState, module: nn.Module, args, kwargs):
             ctx.forward_order.append(group)
             _prefetch_forward(state, ctx)
             _publish_for_forward(group)
-        if _OBSERVERS:
-            _notify("pre_forward", state)
+        if OBSERVERS:
+            notify("pre_forward", state)
     return _cast_inputs(state, args, kwargs)
 
 
@@ -215,8 +180,8 @@ def post_forward(state: FSDPState, module: nn.Module, args, output):
     hooked = _hook_grad_outputs(state, output)
     if use_done and state.is_root and not hooked:
         state.ctx.end_forward_without_backward()
-    if use_done and _OBSERVERS:
-        _notify("post_forward", state)
+    if use_done and OBSERVERS:
+        notify("post_forward", state)
     return _cast_output(state, output)
 
 
@@ -287,8 +252,8 @@ class _PreBackward:
         if not group.prefetched_in_backward:
             group.prefetched_in_backward = True
             _prefetch_backward(state, state.ctx)
-        if _OBSERVERS:
-            _notify("pre_backward", state)
+        if OBSERVERS:
+            notify("pre_backward", state)
         return None
 
 

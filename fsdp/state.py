@@ -14,6 +14,7 @@ import torch.nn as nn
 
 from dtensor_lite.memory_categories import COMM_BUFFERS, GRADIENTS, UNSHARDED_PARAMS
 
+from .observers import OBSERVERS, notify
 from .param_group import ParamGroup, PendingReduce, ShardState
 
 __all__ = ["FSDPState", "RootContext", "all_states"]
@@ -214,9 +215,8 @@ class RootContext:
                 g.reshard()
         self.in_backward = False
         self.backward_ran = True
-        from .hooks import _OBSERVERS, _notify  # hooks imports this module
-        if _OBSERVERS:
-            _notify("end_of_backward", self.root)
+        if OBSERVERS:
+            notify("end_of_backward", self.root)
 
 
 def _note(into: dict[int, int], *tensors):

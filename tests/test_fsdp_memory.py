@@ -1,6 +1,6 @@
 """FSDP frees at the earliest safe moment: every group is followed through a training step.
 
-At every FSDP hook (``fsdp.hooks.observe``) the test checks which groups hold unsharded
+At every FSDP hook (``fsdp.observers.observe``) the test checks which groups hold unsharded
 parameters (gathered tensors or an all-gather in flight) and unsharded gradient buffers: only the
 current group and the one prefetched next to it, plus the groups that keep their parameters from
 forward to backward by configuration (the root; every block under
@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from dtensor_lite import DTensor, init_device_mesh
 from fsdp import fully_shard
-from fsdp.hooks import observe
+from fsdp.observers import observe
 from fsdp.param_group import ShardState
 from tests.harness import distributed
 
