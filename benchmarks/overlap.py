@@ -8,7 +8,7 @@ collective's issue to its completion, summed), medians over the timed steps (ran
 
 * ours: ``dtensor_lite.debug.ExposedCommMode`` (every collective goes through
   ``dtensor_lite.collectives``, which times waits and notes completions);
-* torch: the same clock (``debug.CommFlight``) put around torch.distributed for torch's steps
+* torch: the same clock (``debug_state.CommFlight``) put around torch.distributed for torch's steps
   only: its collective calls are issued asynchronously (a synchronous call waits at once) and
   ``Work.wait`` is timed.
 
@@ -49,7 +49,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.fsdp_step import spawn_world, write_json  # noqa: E402
 from benchmarks.tp_step import _Stack, apply_llama_tp  # noqa: E402
-from dtensor_lite.debug import CommFlight, ExposedCommMode  # noqa: E402
+from dtensor_lite.debug import ExposedCommMode  # noqa: E402
+from dtensor_lite.debug_state import CommFlight  # noqa: E402
 from examples.llama import Llama, LlamaConfig, loss_fn  # noqa: E402
 
 CFG = LlamaConfig(vocab_size=1024, dim=256, n_layers=4, n_heads=8, ffn_dim=704, max_seq_len=128)
@@ -62,7 +63,7 @@ IMPLS = ("ours", "torch")
 # ----------------------------------------------------------------------------- torch's clocks
 class _TorchCommTimer:
     """Exposed / in-flight communication seconds of the torch.distributed collectives called
-    inside, on the same clock as ours (``dtensor_lite.debug.CommFlight``)."""
+    inside, on the same clock as ours (``dtensor_lite.debug_state.CommFlight``)."""
 
     NAMES = ("all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
              "reduce_scatter_single", "all_reduce", "all_to_all_single")
@@ -73,10 +74,10 @@ class _TorchCommTimer:
         self._saved = {}
         self._flights = {}  # id(work) -> CommFlight, until its wait
 
-    def _add_wait(self, _kind, seconds):
+    def add_wait(self, _kind, seconds):
         self.exposed_s += seconds
 
-    def _add_flight(self, _kind, seconds):
+    def add_flight(self, _kind, seconds):
         self.total_s += seconds
 
     def __enter__(self):

@@ -13,7 +13,7 @@ import weakref
 import torch
 from torch.utils._mode_utils import no_dispatch
 
-from . import debug
+from . import debug, debug_state
 from .dtensor import DTensor
 from .ops import _registry
 from .ops._registry import UnsupportedOpError
@@ -114,7 +114,7 @@ class OutDecision:
                                  f"has shape {tuple(res.shape)}; pass an out of the result's shape")
             if res._spec.placements != out._spec.placements or \
                     res._spec.shard_order != out._spec.shard_order:
-                if debug._EXPLICIT:
+                if debug_state.EXPLICIT:
                     debug.observe_implicit_redistribute(self.op, [(
                         0, res._spec, out._spec, plan_redistribute(res._spec, out._spec).cost)],
                         "the result is written into out= of other placements")

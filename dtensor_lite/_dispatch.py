@@ -27,7 +27,7 @@ from __future__ import annotations
 import torch
 from torch.utils._pytree import tree_map
 
-from . import _aliasing, _caches, _failures, _fallback, debug
+from . import _aliasing, _caches, _failures, _fallback, debug, debug_state
 from ._aliasing import COPIED_VIEWS
 from .dtensor import DTensor, use_dispatcher
 from .ops import _registry
@@ -112,8 +112,8 @@ def cache_key(op, args, kwargs, dts: list) -> tuple:
 
 
 def dispatch(op, args, kwargs):
-    if debug._ACTIVE:  # CommDebugMode records which op caused each collective
-        with debug.comm_cause(op):
+    if debug_state.COMM_SINKS:  # CommDebugMode records which op caused each collective
+        with debug_state.comm_cause(op):
             return _dispatch(op, args, kwargs)
     if RECORDERS:
         return _recorded(op, args, kwargs)
@@ -200,9 +200,9 @@ class _Decision:
             _aliasing.check_not_copied_view(self, dts)
         targets = self.targets
         if self.needs_redistribute:
-            if debug._EXPLICIT:
+            if debug_state.EXPLICIT:
                 _observe_rule_redistribute(self.op, dts, targets)
-            if debug._ACTIVE:
+            if debug_state.COMM_SINKS:
                 locals_ = _redistribute_attributed(self.op, dts, targets)
             else:
                 locals_ = [dt._local_tensor if tgt is None else
@@ -252,7 +252,7 @@ def _redistribute_attributed(op, dts, targets) -> list:
         if tgt is None:
             locals_.append(dt._local_tensor)
             continue
-        with debug.comm_cause(op, j):
+        with debug_state.comm_cause(op, j):
             locals_.append(redistribute_local(dt._local_tensor, dt._spec, tgt))
     return locals_
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from . import debug
+from . import debug, debug_state
 from .dtensor import DTensor
 from .placements import Replicate
 from .redistribute import plan_redistribute, redistribute_local, run_plan
@@ -48,12 +48,12 @@ def gather_whole(op, dts, targets, warn: bool) -> list:
     if all(t is None for t in targets):
         return [dt._local_tensor for dt in dts]
     plans = [None if t is None else plan_redistribute(dt._spec, t) for dt, t in zip(dts, targets)]
-    if debug._EXPLICIT or warn:
+    if debug_state.EXPLICIT or warn:
         moves = [(j, dt._spec, t, plan.cost) for j, (dt, t, plan) in
                  enumerate(zip(dts, targets, plans)) if plan is not None]
         why = "no sharding rule: inputs gathered to Replicate()" if warn else \
             "inputs gathered to Replicate()"
-        if debug._EXPLICIT:
+        if debug_state.EXPLICIT:
             debug.observe_implicit_redistribute(op, moves, why)
         if warn:
             debug.warn_fallback_once((op, tuple(dt._spec.placements for dt in dts)), (
@@ -67,7 +67,7 @@ def gather_whole(op, dts, targets, warn: bool) -> list:
         if plan is None:
             wholes.append(dt._local_tensor)
             continue
-        with debug.comm_cause(op, j):  # CommDebugMode: which input the fallback gathered
+        with debug_state.comm_cause(op, j):  # CommDebugMode: which input the fallback gathered
             wholes.append(_with_strides(run_plan(dt._local_tensor, plan), dt._spec.stride))
     return wholes
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from . import _inflight
 from ._compile import is_traced
 from ._failures import group_backend, wait_work
-from .debug import _ACTIVE, _CHECKING, _TIMERS, CommFlight, _record
+from .debug_state import CHECKING, COMM_SINKS, TIMERS, CommFlight, record
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "scatter",
            "broadcast_object", "all_reduce_cost", "flat_all_gather", "flat_reduce_scatter",
@@ -104,11 +104,11 @@ def _from_order_keys(keys: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _report(kind: str, nbytes: int, n: int, mesh, mesh_dim: int):
-    if _ACTIVE:
+    if COMM_SINKS:
         names = mesh.mesh_dim_names
         label = names[mesh_dim] if names else str(mesh_dim)
         # the group's global ranks too: a link model tells intra- from inter-node by them
-        _record(kind, nbytes, n, label, mesh._dim_group(mesh_dim).ranks)
+        record(kind, nbytes, n, label, mesh._dim_group(mesh_dim).ranks)
 
 
 class Pending:
@@ -124,7 +124,7 @@ class Pending:
         self._work, self._finish, self._kind, self._group = work, finish, kind, group
         self._hold = hold  # the private aliases the backend was given (see _inflight.py)
         self._done, self._result = False, None
-        self._flight = CommFlight(kind, started, work, _TIMERS) if _TIMERS and work else None
+        self._flight = CommFlight(kind, started, work, TIMERS) if TIMERS and work else None
 
     def then(self, fn) -> "Pending":
         finish = self._finish
@@ -174,7 +174,7 @@ def _issue(collective, *args, group, **kwargs):
     """Issue ``collective`` asynchronously: (its work, when the issue call began, the group, the
     tensors the backend holds until it lets go of the work). The backend gets private aliases of
     the tensor arguments, released only once it let go of them (see _inflight.py)."""
-    if _CHECKING:
+    if CHECKING:
         _check_buffers_agree(collective, args, group)
     started = time.perf_counter()
     hold: list = []
@@ -624,7 +624,7 @@ class _Works:
         return all(w.is_completed() for w in self.works)
 
     def get_future(self):
-        """One future for all (see debug.on_completion)."""
+        """One future for all (see debug_state.on_completion)."""
         if self.timed_wait_aborts:
             raise RuntimeError("no single future for a send/receive pair")
         return torch.futures.collect_all([w.get_future() for w in self.works])
@@ -708,8 +708,8 @@ def exchange_pieces(sends: dict, recvs: dict, device, async_op: bool = False,
         x = x.cpu() if host else x
         works.append(dist.isend(_inflight.private(x, hold), dst=peer, group=group))
         sent += x.numel() * x.element_size()
-    if _ACTIVE:
-        _record(kind, sent, dist.get_world_size(), kind, tuple(sorted({me, *sends, *recvs})))
+    if COMM_SINKS:
+        record(kind, sent, dist.get_world_size(), kind, tuple(sorted({me, *sends, *recvs})))
     issued = (_Works(works, hold, timed_wait_aborts=True), started, group, hold) \
         if works else None
 

@@ -18,28 +18,23 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
-import time
 from collections import defaultdict
 from typing import NamedTuple
 
 import torch
 
 from ._comm_counts import CommCounts
+from ._failures import CollectiveFailedError, RankFailedError, propagate_failures
+from ._visualize import visualize_sharding
+from .debug_state import CHECKING, COMM_SINKS, EXPLICIT, TIMERS, UNATTRIBUTED, comm_cause
+from .memory_tracker import MemoryTracker
+
 
 __all__ = ["CommDebugMode", "CommRecord", "check_collectives", "comm_cause", "ExposedCommMode", "ExplicitRedistributionContext",
            "strict_redistribute", "FallbackRedistributeWarning", "ImplicitRedistributionError",
            "reset_fallback_warnings", "MemoryTracker", "propagate_failures", "RankFailedError",
            "CollectiveFailedError", "visualize_sharding"]
-
-_ACTIVE: list["CommDebugMode"] = []
-_TIMERS: list["ExposedCommMode"] = []
-_CAUSES: list[tuple[str, "int | str | None"]] = []  # innermost last: (op, input)
-# non-empty while collectives check that every rank's buffers agree (check_collectives)
-_CHECKING: list[bool] = [True] if os.environ.get("DTL_CHECK_COLLECTIVES", "0") not in ("", "0") \
-    else []
-
 
 @contextlib.contextmanager
 def check_collectives():
@@ -56,50 +51,11 @@ def check_collectives():
         ...     DTensor.from_local(torch.ones(3 - rank, 4), mesh, [Shard(0)]).full_tensor()
         ValueError: all_gather_single over ranks [0, 1]: the ranks' pieces differ (rank 0: 12 x ...
     """
-    _CHECKING.append(True)
+    CHECKING.append(True)
     try:
         yield
     finally:
-        _CHECKING.pop()
-UNATTRIBUTED = "(direct collective)"  # a collectives.* call made outside any labelled cause
-
-
-class comm_cause:
-    """Label the collectives issued inside it with ``op`` (and ``input``: an argument index or
-    name) for :class:`CommDebugMode`. The innermost label wins. The dispatcher labels each aten
-    op and the input it moves, ``DTensor.redistribute`` / ``full_tensor`` label themselves
-    ``"redistribute"``, FSDP its hooks; label your own strategy's collectives the same way::
-
-        >>> with comm_cause("my_ring_attention"):
-        ...     k = ring_shift(k, mesh, 0)
-    """
-
-    __slots__ = ("entry",)
-
-    def __init__(self, op, input: "int | str | None" = None):
-        self.entry = (str(op), input)
-
-    def __enter__(self):
-        _CAUSES.append(self.entry)
-        return self
-
-    def __exit__(self, *exc):
-        _CAUSES.pop()
-        return False
-
-
-_NO_CAUSE = contextlib.nullcontext()
-
-
-def outermost_cause(label: str):
-    """``comm_cause(label)`` unless a cause is already labelled (an op that redistributes as
-    part of its own work keeps the op's label), only while a CommDebugMode records; otherwise a
-    context that does nothing."""
-    if _ACTIVE and not _CAUSES:
-        return comm_cause(label)
-    return _NO_CAUSE
-
-
+        CHECKING.pop()
 class CommRecord(NamedTuple):
     """One collective as CommDebugMode saw it."""
     kind: str          # all_gather, reduce_scatter, all_reduce, all_to_all, ...
@@ -109,19 +65,6 @@ class CommRecord(NamedTuple):
     mesh_dim: str      # mesh dim name (or index)
     op: str            # aten op, "redistribute", "fsdp.all_gather", ... (see comm_cause)
     input: "int | str | None"  # the op's argument that had to move, if one did
-
-
-def _record(kind: str, nbytes: int, group_size: int, mesh_dim: str = "?",
-            ranks: tuple[int, ...] = ()):
-    """Called by the collectives layer for every collective it issues: its kind, bytes sent per
-    rank, group size, the name of the mesh dim it ran over and that group's global ranks."""
-    op, input = _CAUSES[-1] if _CAUSES else (UNATTRIBUTED, None)
-    for mode in _ACTIVE:
-        mode._add(kind, nbytes, group_size, mesh_dim, ranks, op, input)
-
-
-def comm_debug_active() -> bool:
-    return bool(_ACTIVE)
 
 
 class CommDebugMode:
@@ -322,11 +265,11 @@ class CommDebugMode:
         self._hooks = [torch.nn.modules.module.register_module_forward_pre_hook(self._pre_forward)]
         self._exit_hooks = {}
         self._tracker = _leafless_mod_tracker_class()().__enter__()
-        _ACTIVE.append(self)
+        COMM_SINKS.append(self._add)
         return self
 
     def __exit__(self, *exc):
-        _ACTIVE.remove(self)
+        COMM_SINKS.remove(self._add)
         for h in [*self._hooks, *self._exit_hooks.values()]:
             h.remove()
         self._hooks = []
@@ -392,9 +335,6 @@ class ImplicitRedistributionError(RuntimeError):
     ask for (a rule's input redistribute or the no-rule fallback)."""
 
 
-_EXPLICIT: list["ExplicitRedistributionContext"] = []  # innermost last; empty on the hot path
-
-
 class ExplicitRedistributionContext:
     """Refuse (or report) every redistribute that the user did not ask for.
 
@@ -426,11 +366,11 @@ class ExplicitRedistributionContext:
         self.mode = mode
 
     def __enter__(self):
-        _EXPLICIT.append(self)
+        EXPLICIT.append(self)
         return self
 
     def __exit__(self, *exc):
-        _EXPLICIT.remove(self)
+        EXPLICIT.remove(self)
         return False
 
 
@@ -449,7 +389,7 @@ def describe_moves(moves) -> str:
 def observe_implicit_redistribute(op, moves, why: str) -> None:
     """Called (only while a context is active) before an op redistributes its inputs on its own;
     ``moves`` as in :func:`describe_moves`."""
-    ctx = _EXPLICIT[-1]
+    ctx = EXPLICIT[-1]
     total = sum(m[3] for m in moves)
     if not ctx.enable or (not ctx.strict and total == 0):
         return
@@ -463,47 +403,6 @@ def observe_implicit_redistribute(op, moves, why: str) -> None:
 
 
 # --------------------------------------------------------------------------- exposed communication
-class CommFlight:
-    """The timeline of one issued collective, for exposed-communication accounting.
-
-    Exposed (the caller was blocked): the issue call itself plus every ``wait``. In flight: from
-    the issue call to completion -- the backend's completion callback when it fired before the
-    caller began to wait (the collective finished behind compute), else the end of the wait
-    (gloo's reduce-scatter reports no completion: its flight is an upper bound; and a wait
-    returns a little after the callback, once the waiting thread has the GIL back). So exposed
-    <= in flight for every collective. ``sinks``: objects with ``_add_wait`` / ``_add_flight``.
-    """
-
-    __slots__ = ("kind", "started", "sinks", "done_at")
-
-    def __init__(self, kind: str, started: float, work, sinks):
-        self.kind, self.started, self.sinks, self.done_at = kind, started, list(sinks), None
-        issued = time.perf_counter()
-        for sink in self.sinks:
-            sink._add_wait(kind, issued - started)
-        on_completion(work, self._completed)
-
-    def _completed(self):
-        self.done_at = time.perf_counter()
-
-    def waited(self, wait_start: float, wait_end: float):
-        done = self.done_at
-        end = done if done is not None and done <= wait_start else wait_end
-        for sink in self.sinks:
-            sink._add_wait(self.kind, wait_end - wait_start)
-            sink._add_flight(self.kind, end - self.started)
-
-
-def on_completion(work, callback) -> bool:
-    """Arrange ``callback()`` to run (on the backend's thread) when the c10d ``work`` completes;
-    False where its backend gives no future for it (gloo's reduce-scatter)."""
-    try:
-        work.get_future().then(lambda _future: callback())
-    except RuntimeError:
-        return False
-    return True
-
-
 class ExposedCommMode:
     """Context manager measuring how much communication a rank *waits for* (exposed) against how
     long its collectives were in flight (total), for everything issued through dtensor_lite
@@ -513,7 +412,7 @@ class ExposedCommMode:
       synchronous collective waits right after issuing it, so all of it is exposed; a prefetched
       or ``async_op=True`` one that finished behind compute costs (almost) nothing here.
     * ``total_s``: seconds from issue to completion, summed over the collectives waited for
-      (see ``CommFlight``). ``exposed_s / total_s`` is the share not hidden (at most 1).
+      (see ``debug_state.CommFlight``). ``exposed_s / total_s`` is the share not hidden (at most 1).
     * ``by_kind()``: ``{kind: {"count", "exposed_s", "total_s"}}``.
 
     Times are host wall-clock: on CUDA, ``wait()`` only orders streams and returns at once, so
@@ -530,10 +429,10 @@ class ExposedCommMode:
         self._flights: dict[str, float] = defaultdict(float)
         self._counts: dict[str, int] = defaultdict(int)
 
-    def _add_wait(self, kind, seconds):
+    def add_wait(self, kind, seconds):
         self._waits[kind] += seconds
 
-    def _add_flight(self, kind, seconds):
+    def add_flight(self, kind, seconds):
         with self._lock:
             self._flights[kind] += seconds
             self._counts[kind] += 1
@@ -554,15 +453,10 @@ class ExposedCommMode:
                         "total_s": self._flights.get(k, 0.0)} for k in sorted(kinds)}
 
     def __enter__(self):
-        _TIMERS.append(self)
+        TIMERS.append(self)
         return self
 
     def __exit__(self, *exc):
-        _TIMERS.remove(self)
+        TIMERS.remove(self)
         return False
 
-
-from .memory_tracker import MemoryTracker  # noqa: E402  (its own module; re-exported here)
-from ._visualize import visualize_sharding  # noqa: E402  (its own module; re-exported here)
-# rank failures that stop every rank (their own module; re-exported here)
-from ._failures import CollectiveFailedError, RankFailedError, propagate_failures  # noqa: E402

@@ -16,7 +16,7 @@ from .placements import Partial, Placement, Replicate, Shard, _StridedShard
 from .redistribute import redistribute_local, redistribute_target
 from .spec import (DTensorSpec, TensorMeta, contiguous_stride, normalize_placements,
                    outside_shape)
-from . import _caches, _dcp, debug
+from . import _caches, _dcp, debug_state
 from ._compile import boundary, register_constants
 
 __all__ = ["DTensor"]
@@ -175,7 +175,7 @@ class DTensor(torch.Tensor):
             local_tensor = local_tensor.to(mesh.device_type)
         outside = mesh.get_coordinate() is None
         if run_check and not outside:
-            with debug.outermost_cause("from_local(run_check)"):
+            with debug_state.outermost_cause("from_local(run_check)"):
                 shape = _checked_global_shape(local_tensor, mesh, placements, shape, stride=stride)
         if shape is None:
             shape = list(local_tensor.shape)
@@ -358,7 +358,7 @@ class _FromLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        with debug.outermost_cause("from_local.backward"):
+        with debug_state.outermost_cause("from_local.backward"):
             return _FromLocal._backward(ctx, grad)
 
     @staticmethod
@@ -453,7 +453,7 @@ class _Redistribute(torch.autograd.Function):
         ctx.src, ctx.async_op, ctx.backward_dtype = dt._spec, async_op, backward_dtype
         if forward_dtype is not None:  # cast before the collectives: they move forward_dtype
             dt, dst = _cast(dt, forward_dtype), _with_dtype(dst, forward_dtype)
-        with debug.outermost_cause("redistribute"):
+        with debug_state.outermost_cause("redistribute"):
             return _redistributed(dt, dst, async_op)
 
     @staticmethod
@@ -463,7 +463,7 @@ class _Redistribute(torch.autograd.Function):
         # the forward's); the input's gradient is always in the input's dtype
         grad = _cast(grad, ctx.backward_dtype or ctx.src.dtype)
         target = _redistribute_grad_target(ctx.src, grad._spec)
-        with debug.outermost_cause("redistribute.backward"):
+        with debug_state.outermost_cause("redistribute.backward"):
             out = _redistributed(grad, target, ctx.async_op)
         return _cast(out, ctx.src.dtype), None, None, None, None
 

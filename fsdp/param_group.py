@@ -23,7 +23,7 @@ import enum
 import torch
 
 from dtensor_lite import collectives as C
-from dtensor_lite.debug import comm_cause
+from dtensor_lite.debug_state import comm_cause
 
 from .param import FSDPParam
 from .streams import Streams

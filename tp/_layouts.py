@@ -20,7 +20,7 @@ import torch
 from dtensor_lite import DeviceMesh, DTensor, Placement, Replicate, Shard
 from dtensor_lite._compile import boundary
 from dtensor_lite._piece_check import checked_global_shape
-from dtensor_lite.debug import comm_cause
+from dtensor_lite.debug_state import comm_cause
 
 __all__ = ["one_layout", "to_dtensor", "convert"]
 

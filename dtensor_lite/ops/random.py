@@ -34,7 +34,7 @@ import torch
 
 from .. import _caches
 from .. import collectives as C
-from ..debug import comm_cause
+from ..debug_state import comm_cause
 from ..placements import Replicate, Shard
 from ..spec import DTensorSpec
 from ._registry import FullStrategy, get_rule, register_rule
