@@ -24,6 +24,8 @@ stop at their next collective instead of waiting for it.
 """
 from __future__ import annotations
 
+from contextvars import ContextVar
+
 import torch
 from torch.utils._pytree import tree_map
 
@@ -34,7 +36,7 @@ from .ops import _registry
 from .ops._expansion import expand_strategies
 from .ops._registry import Decompose, FullStrategy, OpCall, UnsupportedOpError
 from .ops.kit import target_spec
-from .ops.random import ensure_rng_synced
+from .random import ensure_rng_synced
 from .redistribute import plan_redistribute, redistribute_local
 from .placements import Replicate as _Replicate
 from .spec import DTensorSpec, TensorMeta, outside_shape as _outside_shape
@@ -509,8 +511,9 @@ def _is_plain(a):
     return isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.ndim > 0
 
 
-# [True] inside experimental.implicit_replication(): plain tensors among DTensors join as Replicate
-IMPLICIT_REPLICATION = [False]
+# True inside experimental.implicit_replication(): plain tensors among DTensors join as Replicate
+IMPLICIT_REPLICATION: ContextVar[bool] = ContextVar("dtensor_lite.implicit_replication",
+                                                    default=False)
 
 
 class _PlainAsReplicatedDecision:
@@ -526,7 +529,7 @@ class _PlainAsReplicatedDecision:
         self.mesh = mesh
 
     def run(self, args, kwargs, dts, validate=False):
-        if torch._C._current_autograd_node() is None and not IMPLICIT_REPLICATION[0]:
+        if torch._C._current_autograd_node() is None and not IMPLICIT_REPLICATION.get():
             _spec_args(self.op, args, kwargs)  # raises the mixing error
         mesh = self.mesh
 

@@ -206,7 +206,7 @@ def _factory(fill: Callable, size, *, dtype, layout, requires_grad, device_mesh,
         # random values must not depend on the mesh: draw the global tensor, keep this piece
         # (every rank's generator must be in the same state where ranks hold the same values:
         # see set_rng_sync_mode)
-        from .ops.random import ensure_rng_synced
+        from .random import ensure_rng_synced
         ensure_rng_synced(mesh, placements=placements)
         local = local_piece(fill(shape, dtype=dtype, device=device), spec).contiguous().clone()
     else:

@@ -24,9 +24,8 @@ def implicit_replication():
         >>> with implicit_replication():
         ...     y = dtensor * torch.ones(dtensor.shape[-1])   # the ones join as Replicate()
     """
-    saved = _dispatch.IMPLICIT_REPLICATION[0]
-    _dispatch.IMPLICIT_REPLICATION[0] = True
+    token = _dispatch.IMPLICIT_REPLICATION.set(True)
     try:
         yield
     finally:
-        _dispatch.IMPLICIT_REPLICATION[0] = saved
+        _dispatch.IMPLICIT_REPLICATION.reset(token)

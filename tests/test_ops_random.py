@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from dtensor_lite import (DTensor, Partial, Replicate, Shard, _StridedShard, distribute_tensor,
                           init_device_mesh)
 from dtensor_lite.debug import CommDebugMode
-from dtensor_lite.ops.random import manual_seed, set_rng_sync_mode, sync_rng_state
+from dtensor_lite.random import manual_seed, set_rng_sync_mode, sync_rng_state
 from tests.harness import distributed, run_distributed
 
 aten = torch.ops.aten
