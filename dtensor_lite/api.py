@@ -28,14 +28,6 @@ def _partialize(local: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
     return local
 
 
-def _flat_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """A 1-D view over every rank of ``mesh`` (mesh order), without naming a new dim."""
-    if mesh.ndim == 1:
-        return mesh
-    dims = tuple(d for ds in mesh._root_dims for d in ds)
-    return DeviceMesh(mesh.device_type, None, _root=mesh._root, _root_dims=(dims,))
-
-
 def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = None,
                       placements=None, *, src_data_rank: int | None = 0) -> DTensor:
     """Split a global ``tensor`` over ``device_mesh`` by ``placements``.
@@ -75,9 +67,9 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
 
 def _scatter_pieces(data: torch.Tensor, spec: DTensorSpec, src_rank: int) -> torch.Tensor:
     mesh = spec.mesh
-    if mesh.ndim > 1 and mesh._root._root_mesh.numel() != mesh._world_size:
+    if mesh.ndim > 1 and mesh.root_layout.numel() != mesh._world_size:
         return _broadcast_then_slice(data, spec, src_rank)
-    flat = _flat_mesh(mesh)
+    flat = mesh.flat_view()
     ranks = flat.mesh.tolist()
     # As in PyTorch, src_data_rank is a rank *within* each mesh dim (group rank), not a global
     # rank: the source is the rank at coordinate (s, ..., s). So the default 0 works on any

@@ -37,7 +37,7 @@ from .debug_state import CHECKING, COMM_SINKS, TIMERS, CommFlight, record
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "scatter",
            "broadcast_object", "all_reduce_cost", "flat_all_gather", "flat_reduce_scatter",
-           "all_to_all_single", "send_recv", "exchange_pieces", "Pending"]
+           "all_to_all_single", "send_recv", "exchange_pieces", "Pending", "then"]
 
 # torch 2.13 renamed the *_into_tensor / *_tensor collectives to *_single
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -108,7 +108,7 @@ def _report(kind: str, nbytes: int, n: int, mesh, mesh_dim: int):
         names = mesh.mesh_dim_names
         label = names[mesh_dim] if names else str(mesh_dim)
         # the group's global ranks too: a link model tells intra- from inter-node by them
-        record(kind, nbytes, n, label, mesh._dim_group(mesh_dim).ranks)
+        record(kind, nbytes, n, label, mesh.dim_group(mesh_dim).ranks)
 
 
 class Pending:
@@ -236,7 +236,7 @@ def _launch(kind: str, issued, finish, async_op: bool):
     return pending if async_op else pending.wait()
 
 
-def _then(result, fn):
+def then(result, fn):
     """``fn(result)``, now for a finished result, at wait for a Pending one."""
     return result.then(fn) if isinstance(result, Pending) else fn(result)
 
@@ -292,7 +292,7 @@ def all_gather(tensor: torch.Tensor, mesh, mesh_dim: int, gather_dim: int = 0,
                async_op: bool = False):
     """Concatenate every rank's equal-shaped ``tensor`` along ``gather_dim`` in mesh order.
     ``async_op``: return a ``Pending`` whose ``wait()`` gives that tensor."""
-    dg = mesh._dim_group(mesh_dim)
+    dg = mesh.dim_group(mesh_dim)
     n = dg.size
     if n == 1:
         return _launch("all_gather", None, lambda: tensor, async_op)
@@ -313,7 +313,7 @@ def all_gather(tensor: torch.Tensor, mesh, mesh_dim: int, gather_dim: int = 0,
 def reduce_scatter(tensor: torch.Tensor, mesh, mesh_dim: int, reduce_op: str = "sum",
                    scatter_dim: int = 0, async_op: bool = False):
     """Reduce ``tensor`` over the group; keep chunk ``coordinate`` of ``scatter_dim`` (size % n == 0)."""
-    dg = mesh._dim_group(mesh_dim)
+    dg = mesh.dim_group(mesh_dim)
     n = dg.size
     if n == 1:
         return _launch("reduce_scatter", None, lambda: _finish_avg(tensor.clone(), reduce_op, n),
@@ -357,7 +357,7 @@ def reduce_scatter(tensor: torch.Tensor, mesh, mesh_dim: int, reduce_op: str = "
 def all_reduce(tensor: torch.Tensor, mesh, mesh_dim: int, reduce_op: str = "sum",
                async_op: bool = False):
     """Out-of-place all-reduce over one mesh dim."""
-    dg = mesh._dim_group(mesh_dim)
+    dg = mesh.dim_group(mesh_dim)
     n = dg.size
     if n == 1:
         return _launch("all_reduce", None, lambda: _finish_avg(tensor.clone(), reduce_op, n),
@@ -388,7 +388,7 @@ def all_to_all(tensor: torch.Tensor, mesh, mesh_dim: int, split_dim: int, cat_di
                async_op: bool = False):
     """Split ``split_dim`` into n equal pieces, send piece k to coordinate k, concatenate the
     received pieces along ``cat_dim`` in mesh order."""
-    dg = mesh._dim_group(mesh_dim)
+    dg = mesh.dim_group(mesh_dim)
     n = dg.size
     if n == 1:
         return _launch("all_to_all", None, lambda: tensor, async_op)
@@ -410,7 +410,7 @@ def all_to_all(tensor: torch.Tensor, mesh, mesh_dim: int, split_dim: int, cat_di
 
 def broadcast(tensor: torch.Tensor, mesh, mesh_dim: int, src_coord: int = 0) -> torch.Tensor:
     """Every rank of the mesh dim receives ``tensor`` from the rank at ``src_coord`` (in place)."""
-    dg = mesh._dim_group(mesh_dim)
+    dg = mesh.dim_group(mesh_dim)
     n = dg.size
     if n == 1:
         return tensor
@@ -427,7 +427,7 @@ def broadcast(tensor: torch.Tensor, mesh, mesh_dim: int, src_coord: int = 0) -> 
 def broadcast_object(obj, mesh, mesh_dim: int, src_coord: int = 0):
     """Every rank of the mesh dim receives the picklable ``obj`` of the rank at ``src_coord``
     (others pass anything, e.g. None). For small metadata (a state dict's keys and shapes)."""
-    dg = mesh._dim_group(mesh_dim)
+    dg = mesh.dim_group(mesh_dim)
     if dg.size == 1:
         return obj
     # the pickled bytes' length, then the bytes: two broadcasts waited like every collective here
@@ -453,7 +453,7 @@ def broadcast_object(obj, mesh, mesh_dim: int, src_coord: int = 0):
 def scatter(chunks: list[torch.Tensor] | None, out: torch.Tensor, mesh, mesh_dim: int,
             src_coord: int = 0) -> torch.Tensor:
     """Rank ``src_coord`` sends ``chunks[k]`` (equal shapes) to coordinate k; others pass None."""
-    dg = mesh._dim_group(mesh_dim)
+    dg = mesh.dim_group(mesh_dim)
     n = dg.size
     if n == 1:
         out.copy_(chunks[0])
@@ -477,7 +477,7 @@ def flat_all_gather(out: torch.Tensor, inp: torch.Tensor, mesh, mesh_dim: int, a
     """FSDP's batched all-gather: 1-D ``inp`` into 1-D ``out`` of n*len(inp), in mesh order
     (requires a sorted mesh row; FSDP meshes always are). ``async_op``: a ``Pending``.
     ``inp`` may be this rank's slot of ``out`` already (FSDP's in-place gather)."""
-    dg = mesh._dim_group(mesh_dim)
+    dg = mesh.dim_group(mesh_dim)
     if _copies_whole_buffer(out, dg.group):
         work = _issue(_broadcast_slots, out, inp, group=dg.group)
     else:
@@ -492,7 +492,7 @@ def flat_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, mesh, mesh_dim: in
     """FSDP's batched reduce-scatter of a flat gradient buffer (sum; callers pre/post-divide).
     ``inp`` is FSDP's own packing buffer: on gloo it is all-reduced in place and this rank's
     slot copied out (its other slots are left holding sums too; the work is an all-reduce's)."""
-    dg = mesh._dim_group(mesh_dim)
+    dg = mesh.dim_group(mesh_dim)
     _report("reduce_scatter", (dg.size - 1) * out.numel() * out.element_size(), dg.size, mesh,
             mesh_dim)
     if not _copies_whole_buffer(inp, dg.group):
@@ -569,7 +569,7 @@ def all_to_all_single(tensor: torch.Tensor, mesh, mesh_dim: int, output_split_si
     ``input_split_sizes[k]`` of ``tensor`` (dim 0, in order) go to coordinate k; the result holds
     ``output_split_sizes[k]`` rows from each coordinate k, in mesh order. None: equal splits.
     Counted as ``all_to_all``, bytes = the rows sent to *other* ranks (no padding)."""
-    dg = mesh._dim_group(mesh_dim)
+    dg = mesh.dim_group(mesh_dim)
     n = dg.size
     in_splits = _check_splits("input_split_sizes", input_split_sizes, n, tensor.shape[0])
     out_splits = _check_splits("output_split_sizes", output_split_sizes, n,
@@ -637,7 +637,7 @@ def send_recv(tensor: torch.Tensor | None, mesh, mesh_dim: int, dst: int | None,
     either side may be None. Returns the received tensor (None when ``src`` is None). Every rank
     of a pair must issue its sends and receives with a peer in the same order (they match in
     order). ``kind`` names the call for CommDebugMode (``ring_shift`` for a ring's step)."""
-    dg = mesh._dim_group(mesh_dim)
+    dg = mesh.dim_group(mesh_dim)
     me = dg.coordinate
     if (dst == me) != (src == me):
         raise ValueError(f"{kind}: coordinate {me} sends to {dst} and receives from {src}; a "
@@ -727,7 +727,7 @@ def send(tensor: torch.Tensor, mesh, mesh_dim: int, dst: int, *, tag: int = 0,
          async_op: bool = False, kind: str = "send"):
     """Send ``tensor`` to coordinate ``dst`` of the mesh dim under ``tag``. With ``async_op`` a
     ``Pending`` (wait before reusing ``tensor``; the tensor is kept alive until then)."""
-    dg = mesh._dim_group(mesh_dim)
+    dg = mesh.dim_group(mesh_dim)
     x = _wire(tensor)
     if x.device.type != "cpu" and group_backend(dg.group) == "gloo":
         x = x.cpu()  # gloo's send reads host memory only
@@ -743,7 +743,7 @@ def recv(shape, dtype: torch.dtype, mesh, mesh_dim: int, src: int, *, device=Non
          async_op: bool = False, kind: str = "recv"):
     """Receive a tensor of ``shape`` / ``dtype`` sent by coordinate ``src`` under ``tag``;
     returns it (with ``async_op`` a ``Pending`` whose ``wait()`` does)."""
-    dg = mesh._dim_group(mesh_dim)
+    dg = mesh.dim_group(mesh_dim)
     device = torch.device(device if device is not None else mesh.device_type)
     like = torch.empty(tuple(shape), dtype=dtype, device="meta")
     host = device.type != "cpu" and group_backend(dg.group) == "gloo"

@@ -93,6 +93,12 @@ class _GroupCache:
 _GROUPS = _GroupCache()
 
 
+def drop_stale_groups() -> None:
+    """After ``destroy_process_group`` + ``init_process_group``: drop every cache built on the
+    old default group (process groups, meshes' groups), so what is built next uses the new one."""
+    _GROUPS.owner()
+
+
 def default_group_timeout():
     """The timeout the user gave ``init_process_group`` (None if the backend does not say).
 
@@ -335,8 +341,9 @@ class DeviceMesh:
         self._check_alive()
         return [g.group for g in self._dim_groups]
 
-    def _dim_group(self, mesh_dim: int) -> _DimGroup:
-        """Internal: group plus coordinate bookkeeping, used by the collectives layer."""
+    def dim_group(self, mesh_dim: int) -> _DimGroup:
+        """The process group of mesh dim ``mesh_dim`` with its coordinate bookkeeping (global
+        ranks in group order, this rank's position): what ``collectives.py`` issues on."""
         # compare with the *live* default group: _GROUPS._owner only moves when a mesh is built,
         # so after destroy + init it would still match this mesh's dead groups
         if not dist.is_initialized() or \
@@ -375,6 +382,13 @@ class DeviceMesh:
         known = list(self.mesh_dim_names or ()) + [
             n for n, dims in self._root._flat_names.items() if set(dims) <= mine]
         raise KeyError(f"mesh dim name {name!r} not found in DeviceMesh; available: {known}")
+
+    def flat_view(self) -> "DeviceMesh":
+        """A 1-D view over every rank of this mesh (mesh order), without naming a new dim."""
+        if self.ndim == 1:
+            return self
+        dims = tuple(d for ds in self._root_dims for d in ds)
+        return DeviceMesh(self.device_type, None, _root=self._root, _root_dims=(dims,))
 
     def _flatten(self, mesh_dim_name: str | None = None) -> "DeviceMesh":
         """Merge all dims of this mesh into one named dim; the root mesh learns the new name."""
@@ -523,7 +537,19 @@ class DeviceMesh:
         """Each dim's process group name (torch's attribute, read by functional collectives)."""
         return [group.group_name for group in self.get_all_groups()]
 
-    def _join(self, other: "DeviceMesh") -> "DeviceMesh":
+    @property
+    def root_layout(self) -> torch.Tensor:
+        """The rank layout of the mesh this one was sliced from (itself for a root mesh): a
+        sub-mesh's ``mesh`` lists only this rank's slice, the root layout every rank's."""
+        return self._root_mesh
+
+    @property
+    def root_dims(self) -> tuple[tuple[int, ...], ...]:
+        """For each dim of this mesh, the dims of :attr:`root_layout` it spans (several for a
+        flattened dim)."""
+        return self._root_dims
+
+    def join(self, other: "DeviceMesh") -> "DeviceMesh":
         """This mesh's dims followed by ``other``'s, as one mesh (both sliced from one root).
 
         What FSDP on top of TP needs: the data-parallel sub-mesh and the TP sub-mesh become the

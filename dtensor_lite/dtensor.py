@@ -482,12 +482,12 @@ def _given_or_current_mesh(device_mesh: DeviceMesh | None, like: torch.Tensor) -
 
 def _default_mesh(like: torch.Tensor) -> DeviceMesh:
     """A 1-D mesh over the whole world, used when a call gives no device_mesh."""
-    from .device_mesh import _GROUPS, init_device_mesh
+    from .device_mesh import drop_stale_groups, init_device_mesh
     if not dist.is_initialized():
         raise RuntimeError("no device_mesh given and torch.distributed is not initialised")
     # after destroy + init this drops every cache (this one included), so the default mesh is
     # rebuilt on the new group instead of failing as "destroyed"
-    _GROUPS.owner()
+    drop_stale_groups()
     device_type = "cuda" if like.is_cuda else "cpu"
     mesh = _DEFAULT_MESHES.get(device_type)
     if mesh is None:

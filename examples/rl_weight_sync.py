@@ -182,7 +182,7 @@ def run(args) -> list:
     cfg, trainer, trainer_tensors, trainer_mesh, engine, engine_mesh = build(args)
     in_trainer = trainer_mesh.get_coordinate() is not None
     opt = torch.optim.AdamW(trainer.parameters(), lr=1e-2) if in_trainer else None
-    engine_ranks = sorted({int(r) for r in engine_mesh._root_mesh.flatten().tolist()}) \
+    engine_ranks = sorted({int(r) for r in engine_mesh.root_layout.flatten().tolist()}) \
         if not args.rollout else list(range(dist.get_world_size() - args.rollout,
                                             dist.get_world_size()))
     plan = plan_relayout(trainer_tensors, engine, dtype=args.torch_dtype,

@@ -119,7 +119,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     if fsdp_params:
         group = ParamGroup(fsdp_params, modules, info, mp_policy, offload, device)
         group.reshard_after_forward = reshard_after_forward
-        if group._post_forward_n():
+        if group.post_forward_n():
             info.post_forward(reshard_after_forward)  # creates process groups: on every rank now
     state = FSDPState(modules, group, mp_policy)
     state.default_reshard_after_forward = left_default
@@ -601,7 +601,7 @@ def _check_tp_param(param, where, mesh):
     """A DTensor parameter (tensor parallelism) must live on other dims of the same mesh."""
     tp_mesh = param.device_mesh
     try:
-        mesh._join(tp_mesh)
+        mesh.join(tp_mesh)
     except ValueError as e:
         raise ValueError(
             f"parameter {where} is a DTensor on {tp_mesh!r} and fully_shard got {mesh!r}; FSDP on "

@@ -88,7 +88,7 @@ def data_parallel_mesh(mesh: DeviceMesh, dims: DataParallelMeshDims) -> DeviceMe
         raise ValueError(f"fully_shard: {dims} has no shard dim; replication alone (DDP) is not "
                          "supported by fully_shard here: name the dim(s) to shard on with shard=")
     dp = _one_dim(mesh, shard)
-    return dp if not replicate else _one_dim(mesh, replicate)._join(dp)
+    return dp if not replicate else _one_dim(mesh, replicate).join(dp)
 
 
 def _one_dim(mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh:
@@ -147,10 +147,10 @@ def in_mesh_order(spec: DTensorSpec, full: DeviceMesh) -> DTensorSpec:
     in the order of ``full``, the mesh the user passed: on ``full`` itself unless a tuple of
     names was flattened into one dim (torch keeps that flattened dim in place, as here)."""
     joined = spec.mesh
-    position = {d: i for i, ds in enumerate(full._root_dims) for d in ds}
-    dims = sorted(range(joined.ndim), key=lambda k: min(position[d] for d in joined._root_dims[k]))
-    root_dims = tuple(joined._root_dims[k] for k in dims)
-    if root_dims == full._root_dims:
+    position = {d: i for i, ds in enumerate(full.root_dims) for d in ds}
+    dims = sorted(range(joined.ndim), key=lambda k: min(position[d] for d in joined.root_dims[k]))
+    root_dims = tuple(joined.root_dims[k] for k in dims)
+    if root_dims == full.root_dims:
         target = full
     else:
         target = joined[tuple(joined.mesh_dim_names[k] for k in dims)]

@@ -62,10 +62,9 @@ class MeshInfo:
 def _shard_rows(mesh: DeviceMesh, dim: int) -> torch.Tensor:
     """Every rank's row along mesh dim ``dim``, over the whole world: ``(num_rows, size)``.
 
-    Uses DeviceMesh internals (its root layout) because a sub-mesh only lists this rank's slice;
-    a public ``DeviceMesh.unflatten(dim, sizes)`` would replace this.
+    Reads the root layout because a sub-mesh only lists this rank's slice.
     """
-    root = mesh._root_mesh
-    dims = mesh._root_dims[dim]
+    root = mesh.root_layout
+    dims = mesh.root_dims[dim]
     others = [d for d in range(root.ndim) if d not in dims]
     return root.permute(*others, *dims).reshape(-1, mesh.size(dim))

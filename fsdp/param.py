@@ -50,7 +50,7 @@ class FSDPParam:
         self.pin_memory = pin_memory and offload and torch.cuda.is_available()
         self.raw: torch.Tensor | None = None      # unsharded data (plain, FSDP-owned)
         self._raw_nbytes = 0
-        self._inner: list[torch.Tensor] = []       # extension tensors whose storage is freed too
+        self.inner_tensors: list[torch.Tensor] = []       # extension tensors whose storage is freed too
         self._inner_nbytes: list[int] = []
         self._ext_meta = None                       # fsdp_pre_all_gather metadata
         self._ext_shapes: list[torch.Size] = []
@@ -106,7 +106,7 @@ class FSDPParam:
         k = info.mesh.ndim
         order = [tuple(k + m for m in dims) for dims in tp.shard_order]
         order[self.shard_dim] += (info.shard_dim,)
-        return DTensorSpec(info.mesh._join(tp.mesh), dp_spec.placements + tp.placements,
+        return DTensorSpec(info.mesh.join(tp.mesh), dp_spec.placements + tp.placements,
                            tp.tensor_meta, tuple(order))
 
     def _wrap_local(self, local: torch.Tensor) -> DTensor:
@@ -228,36 +228,36 @@ class FSDPParam:
         # the result may keep the padded rows: view the global shape at its start
         self.raw = full if full.shape == self.shape else full.as_strided(
             self.shape, contiguous_stride(self.shape), 0)
-        self._inner = [t for t in inner if t.untyped_storage().data_ptr()
+        self.inner_tensors = [t for t in inner if t.untyped_storage().data_ptr()
                        != self.raw.untyped_storage().data_ptr()]
         self._raw_nbytes = self.raw.untyped_storage().nbytes()
-        self._inner_nbytes = [t.untyped_storage().nbytes() for t in self._inner]
+        self._inner_nbytes = [t.untyped_storage().nbytes() for t in self.inner_tensors]
 
     def alloc(self):
         if self.raw is not None and self.raw.untyped_storage().nbytes() == 0:
             self.raw.untyped_storage().resize_(self._raw_nbytes)
-            for t, n in zip(self._inner, self._inner_nbytes):
+            for t, n in zip(self.inner_tensors, self._inner_nbytes):
                 t.untyped_storage().resize_(n)
 
     def free(self):
         """Release the unsharded data (the tensor objects stay, with empty storage)."""
         if self.raw is not None:
             self.raw.untyped_storage().resize_(0)
-            for t in self._inner:
+            for t in self.inner_tensors:
                 t.untyped_storage().resize_(0)
 
     def shares_storage(self, t: torch.Tensor) -> bool:
         """Whether the unsharded data lives in ``t``'s storage (an extension's zero-copy views)."""
         ptr = t.untyped_storage().data_ptr()
         return any(x.untyped_storage().data_ptr() == ptr
-                   for x in ([self.raw] if self.raw is not None else []) + list(self._inner))
+                   for x in ([self.raw] if self.raw is not None else []) + list(self.inner_tensors))
 
     def unsharded_nbytes(self) -> int:
         """Bytes currently held by the unsharded data (0 when resharded)."""
         if self.raw is None:
             return 0
         return self.raw.untyped_storage().nbytes() + sum(
-            t.untyped_storage().nbytes() for t in self._inner)
+            t.untyped_storage().nbytes() for t in self.inner_tensors)
 
     # ----------------------------------------------------------------- what modules see
     def publish(self, tensor: torch.Tensor):

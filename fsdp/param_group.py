@@ -137,8 +137,8 @@ class ParamGroup:
         self.all_reduce_hook_stream = None
         self.divide_factor: float | None = None
         # per-step state
-        self._pending_ag: _PendingAllGather | None = None
-        self._post_forward_buf: torch.Tensor | None = None
+        self.pending_ag: _PendingAllGather | None = None
+        self.post_forward_buf: torch.Tensor | None = None
         self._post_forward_layout: _Layout | None = None
         self._post_forward_n_at_reshard: int | None = None
         self.uses_pending = 0              # forward uses whose backward has not run yet
@@ -155,7 +155,7 @@ class ParamGroup:
     def param_dtype(self):
         return self.mp_policy.param_dtype
 
-    def _post_forward_n(self) -> int | None:
+    def post_forward_n(self) -> int | None:
         """N of ``reshard_after_forward=N`` when it means a real N-way group, else None."""
         n = self.reshard_after_forward
         if isinstance(n, bool) or self.is_root or n >= self.mesh_info.shard_size:
@@ -170,17 +170,17 @@ class ParamGroup:
 
     def start_unshard(self):
         """Issue the all-gather (asynchronously); ``wait_unshard`` finishes it."""
-        if self.state is ShardState.UNSHARDED or self._pending_ag is not None:
+        if self.state is ShardState.UNSHARDED or self.pending_ag is not None:
             return
         info = self.mesh_info
         with torch.no_grad():
             if self.state is ShardState.SHARDED_POST_FORWARD:
                 mesh, dim = info.post_forward(self._post_forward_n_at_reshard)
-                inp, layout = self._post_forward_buf, self._post_forward_layout
+                inp, layout = self.post_forward_buf, self._post_forward_layout
                 with self.streams.side("all_gather"), comm_cause("fsdp.all_gather"):
                     out = inp.new_empty(inp.numel() * mesh.size(dim))
                     work = C.flat_all_gather(out, inp, mesh, dim, async_op=True)
-                self._pending_ag = _PendingAllGather(work, inp, out, layout, info.shard_size, True)
+                self.pending_ag = _PendingAllGather(work, inp, out, layout, info.shard_size, True)
                 return
             for p in self.params:
                 p.adopt_replaced_param()
@@ -209,13 +209,13 @@ class ParamGroup:
                     with comm_cause("fsdp.all_gather"):
                         work = C.flat_all_gather(out, inp, info.mesh, info.shard_dim,
                                                  async_op=True)
-            self._pending_ag = _PendingAllGather(work, inp, out, layout, world, False)
+            self.pending_ag = _PendingAllGather(work, inp, out, layout, world, False)
 
     def wait_unshard(self, keep_post_forward_piece: bool = False):
-        pending = self._pending_ag
+        pending = self.pending_ag
         if pending is None:
             return
-        self._pending_ag = None
+        self.pending_ag = None
         with torch.no_grad():
             if pending.work is not None:
                 pending.work.wait()  # orders this stream after the collective (and its copy-in)
@@ -223,13 +223,13 @@ class ParamGroup:
                 # nothing to gather (one shard, or empty shards): the output is the copy-in alone,
                 # written on the side stream -- this stream must still wait for it
                 self.streams.join("all_gather")
-            n = self._post_forward_n()
+            n = self.post_forward_n()
             if keep_post_forward_piece and n and not pending.from_post_forward:
                 # keep 1/n of the whole gathered buffer for the N-way re-gather in backward
                 mesh, dim = self.mesh_info.post_forward(n)
                 size = pending.out.numel() // n
                 j = mesh.get_local_rank(dim)
-                self._post_forward_buf = pending.out[j * size:(j + 1) * size].clone()
+                self.post_forward_buf = pending.out[j * size:(j + 1) * size].clone()
                 self._post_forward_layout = pending.layout
                 self._post_forward_n_at_reshard = n
             for p, segments in zip(self.params, pending.layout.outputs(pending.out, pending.world)):
@@ -254,14 +254,14 @@ class ParamGroup:
         for p in self.params:
             p.free()
             p.publish(p.sharded)
-        self._post_forward_buf = None
+        self.post_forward_buf = None
         self._post_forward_layout = None
         self.state = ShardState.SHARDED
 
     def reshard_post_forward(self):
         if not self.reshards_after_forward() or self.state is not ShardState.UNSHARDED:
             return
-        if self._post_forward_buf is None:
+        if self.post_forward_buf is None:
             return self.reshard()
         for p in self.params:
             p.free()

@@ -89,11 +89,11 @@ class RootContext:
         out = {UNSHARDED_PARAMS: {}, GRADIENTS: {}, COMM_BUFFERS: {}}
         for g in self.groups:
             for p in g.params:
-                _note(out[UNSHARDED_PARAMS], p.raw, *p._inner)
+                _note(out[UNSHARDED_PARAMS], p.raw, *p.inner_tensors)
             _note(out[GRADIENTS], *g.grads, *g.partial_reduce.values())
-            if g._pending_ag is not None:
-                _note(out[COMM_BUFFERS], g._pending_ag.out)
-            _note(out[COMM_BUFFERS], g._post_forward_buf)
+            if g.pending_ag is not None:
+                _note(out[COMM_BUFFERS], g.pending_ag.out)
+            _note(out[COMM_BUFFERS], g.post_forward_buf)
         if self.pending_reduce is not None:
             for *_, inp, out_buf in self.pending_reduce.buckets:
                 _note(out[COMM_BUFFERS], inp, out_buf)
@@ -144,7 +144,7 @@ class RootContext:
             g.prefetched_in_backward = False
             g.uses_pending = 0
             g.needs_reduce = False
-            if g.state is not ShardState.SHARDED or g._pending_ag is not None:
+            if g.state is not ShardState.SHARDED or g.pending_ag is not None:
                 g.reshard()
         for st in self.states:
             st.to_run.clear()

@@ -52,8 +52,8 @@ def meta_of(t: torch.Tensor, pp_mesh, what: str) -> TensorMeta:
                          f"slice of the pipeline's mesh {pp_mesh._root!r}; build the stage "
                          "with group=mesh['pp'] and its DTensors on mesh['dp_shard', 'tp'] "
                          "(or other dims of that mesh)")
-    pp_dims = set(pp_mesh._root_dims[0])
-    if any(pp_dims & set(dims) for dims in mesh._root_dims):
+    pp_dims = set(pp_mesh.root_dims[0])
+    if any(pp_dims & set(dims) for dims in mesh.root_dims):
         raise ValueError(f"pipelining: {what} is a DTensor on mesh dims {names}, which include "
                          "the pipeline's own dim; a stage's DTensors live on its stage's "
                          "sub-mesh (the other dims)")

@@ -64,7 +64,7 @@ def mesh_instances(mesh) -> list[torch.Tensor]:
     a mesh sliced from a root (``root["tp"]``) has one per combination of the root's other
     dims (each rank of the world sees only the one it belongs to as ``mesh.mesh``)."""
     permuted, others, _ = mesh._permuted_root()
-    n_others = math.prod(mesh._root_mesh.shape[d] for d in others) if others else 1
+    n_others = math.prod(mesh.root_layout.shape[d] for d in others) if others else 1
     return list(permuted.reshape(n_others, *mesh.shape).unbind(0))
 
 

@@ -54,13 +54,13 @@ def _run_step(x: torch.Tensor, step: Step, async_op: bool = False):
         d = step.src.dim
         parent = after_shape[d]
         x = _pad_to(x, d, -(-parent // n))
-        return C._then(C.all_gather(x, mesh, i, gather_dim=d, async_op=async_op),
+        return C.then(C.all_gather(x, mesh, i, gather_dim=d, async_op=async_op),
                        lambda out: out.narrow(d, 0, parent))
     if kind == "reduce_scatter":
         d = step.dst.dim
         x = _pad_to(x, d, n * -(-before_shape[d] // n))
         out = C.reduce_scatter(x, mesh, i, step.src.reduce_op, scatter_dim=d, async_op=async_op)
-        return C._then(out, lambda out: out.narrow(d, 0, after_shape[d]))
+        return C.then(out, lambda out: out.narrow(d, 0, after_shape[d]))
     if kind == "all_reduce":
         return C.all_reduce(x, mesh, i, step.src.reduce_op, async_op=async_op)
     if kind == "all_to_all":
@@ -69,7 +69,7 @@ def _run_step(x: torch.Tensor, step: Step, async_op: bool = False):
         x = _pad_to(x, d, -(-parent_d // n))
         x = _pad_to(x, e, n * -(-before_shape[e] // n))
         out = C.all_to_all(x, mesh, i, split_dim=e, cat_dim=d, async_op=async_op)
-        return C._then(out, lambda out: out.narrow(d, 0, parent_d).narrow(e, 0, after_shape[e]))
+        return C.then(out, lambda out: out.narrow(d, 0, parent_d).narrow(e, 0, after_shape[e]))
     coord = mesh.get_coordinate()[i]
     if kind == "chunk":
         d = step.dst.dim
