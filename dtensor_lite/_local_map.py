@@ -20,7 +20,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .debug_state import comm_cause
-from ._piece_check import checked_global_shape
+from .piece_check import checked_global_shape
 from .dtensor import DTensor
 from .placements import Partial, Placement, Replicate
 

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from . import _inflight
-from ._compile import is_traced
+from .compile_support import is_traced
 from ._failures import group_backend, wait_work
 from .debug_state import CHECKING, COMM_SINKS, TIMERS, CommFlight, record
 

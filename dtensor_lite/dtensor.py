@@ -17,7 +17,7 @@ from .redistribute import redistribute_local, redistribute_target
 from .spec import (DTensorSpec, TensorMeta, contiguous_stride, normalize_placements,
                    outside_shape)
 from . import _caches, _dcp, debug_state
-from ._compile import boundary, register_constants
+from .compile_support import boundary, register_constants
 
 __all__ = ["DTensor"]
 
@@ -176,7 +176,7 @@ class DTensor(torch.Tensor):
         outside = mesh.get_coordinate() is None
         if run_check and not outside:
             with debug_state.outermost_cause("from_local(run_check)"):
-                shape = _checked_global_shape(local_tensor, mesh, placements, shape, stride=stride)
+                shape = _run_check(local_tensor, mesh, placements, shape, stride=stride)
         if shape is None:
             shape = list(local_tensor.shape)
             for i, p in enumerate(placements):
@@ -246,7 +246,7 @@ class DTensor(torch.Tensor):
         return replicated.to_local(grad_placements=grad_placements)
 
 
-# what crosses a torch.compile boundary besides tensors (see _compile.py)
+# what crosses a torch.compile boundary besides tensors (see compile_support.py)
 register_constants(DeviceMesh, DTensorSpec, Shard, _StridedShard, Replicate, Partial)
 
 
@@ -496,14 +496,14 @@ def _default_mesh(like: torch.Tensor) -> DeviceMesh:
     return mesh
 
 
-def _checked_global_shape(local, mesh, placements, shape, stride=None):
+def _run_check(local, mesh, placements, shape, stride=None):
     """Every rank's piece metadata, exchanged to derive the exact global shape (run_check=True);
-    see ``_piece_check``: pieces of different sizes, dims or dtypes make every rank raise the
+    see ``piece_check``: pieces of different sizes, dims or dtypes make every rank raise the
     same ValueError before anything sized by a piece crosses ranks (gloo would abort). Then the
     Replicate pieces' values are compared (callers that need only the shape -- local_map, tp's
-    layout hooks -- call ``_piece_check.checked_global_shape``)."""
+    layout hooks -- call ``piece_check.checked_global_shape``)."""
     from .collectives import all_reduce, broadcast
-    from ._piece_check import checked_global_shape
+    from .piece_check import checked_global_shape
     global_shape = checked_global_shape(local, mesh, placements, shape, stride)
 
     def everywhere_max(values):

@@ -18,8 +18,8 @@ from __future__ import annotations
 import torch
 
 from dtensor_lite import DeviceMesh, DTensor, Placement, Replicate, Shard
-from dtensor_lite._compile import boundary
-from dtensor_lite._piece_check import checked_global_shape
+from dtensor_lite.compile_support import boundary
+from dtensor_lite.piece_check import checked_global_shape
 from dtensor_lite.debug_state import comm_cause
 
 __all__ = ["one_layout", "to_dtensor", "convert"]
@@ -58,7 +58,7 @@ def to_dtensor(x, mesh: DeviceMesh, layout: Placement, shape=None, *, who: str =
     return DTensor.from_local(x, mesh, placements, shape=shape)
 
 
-@boundary  # torch.compile: one opaque call, its Python traced by AOTAutograd (see _compile.py)
+@boundary  # torch.compile: one opaque call, its Python traced by AOTAutograd (see compile_support.py)
 def convert(x, mesh: DeviceMesh, layout: Placement | None, desired: Placement | None,
             use_local: bool, shape=None, *, who: str = ""):
     """Declare ``x`` as ``layout``, redistribute to ``desired``, return a DTensor or its piece.

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from .. import collectives as C
-from .._compile import is_traced
+from ..compile_support import is_traced
 from .._failures import post_failure
 from ..placements import LINEAR_REDUCE_OPS
 from ..spec import chunk_range
