@@ -30,7 +30,7 @@ import time
 
 import torch
 
-__all__ = ["private", "retire", "abandon", "drain"]
+__all__ = ["private", "retire", "abandon", "drain", "free_now"]
 
 _RETIRING: list[list[torch.Tensor]] = []  # holds whose work completed; the backend may still hold it
 _ABANDONED: list[tuple] = []  # (is_done or None, hold): works whose wait was given up
@@ -53,6 +53,19 @@ def private(arg, hold: list):
 def _released(hold) -> bool:
     # one reference: ours (each alias is a tensor object nothing else was given)
     return all(t._use_count() <= 1 for t in hold)
+
+
+def free_now(*tensors: torch.Tensor) -> None:
+    """Free the memory of buffers whose collective has finished, now, where that is the CPU: a
+    finished gloo work is still referenced from gloo's thread until that thread runs again
+    (milliseconds on a busy CPU), and the work keeps its tensors, so dropping our reference
+    alone frees them at a moment the scheduler picks -- after the caller's next allocations, or
+    before (a peak that varies from step to step, a bound on buffers in flight broken). On CUDA
+    dropping the reference is the release (the caching allocator orders the memory's reuse), so
+    this leaves CUDA tensors alone. The tensor objects stay, with empty storage."""
+    for t in tensors:
+        if t.device.type == "cpu":
+            t.untyped_storage().resize_(0)
 
 
 def retire(hold: list) -> None:

@@ -31,13 +31,15 @@ import torch
 import torch.distributed as dist
 
 from . import _inflight
+from ._inflight import free_now
 from .compile_support import is_traced
 from ._failures import group_backend, wait_work
 from .debug_state import CHECKING, COMM_SINKS, TIMERS, CommFlight, record
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "scatter",
            "broadcast_object", "all_reduce_cost", "flat_all_gather", "flat_reduce_scatter",
-           "all_to_all_single", "send_recv", "exchange_pieces", "Pending", "then"]
+           "all_to_all_single", "send_recv", "exchange_pieces", "Pending", "then",
+           "free_now"]
 
 # torch 2.13 renamed the *_into_tensor / *_tensor collectives to *_single
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -345,7 +347,7 @@ def reduce_scatter(tensor: torch.Tensor, mesh, mesh_dim: int, reduce_op: str = "
             # a view would keep all n slots alive for as long as the result lives (a reduce-
             # scatter's output is 1/n of its input): copy this rank's slot out, free the rest now
             piece = out.clone()
-            whole.untyped_storage().resize_(0)
+            free_now(whole)
         if keyed:
             res = _from_order_keys(piece.to(_ORDER_KEY_DTYPES[tensor.dtype]), tensor.dtype)
         else:

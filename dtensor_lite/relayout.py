@@ -295,14 +295,10 @@ class RelayoutPlan:
 
 
 def _release(buffers) -> None:
-    """Free the memory of this bucket's wire buffers now that their exchange finished: on CPU a
-    finished gloo work is let go of by gloo's thread (and, with it, the buffers -- see
-    _inflight.py) at a moment the scheduler picks, which would let one bucket's buffers outlive
-    the next bucket's allocation and break the 2-bucket bound. On CUDA dropping the reference is
-    the release (the allocator orders reuse)."""
-    for t in buffers:
-        if t.device.type == "cpu":
-            t.untyped_storage().resize_(0)
+    """Free the memory of this bucket's wire buffers now that their exchange finished, or one
+    bucket's buffers could outlive the next bucket's allocation and break the 2-bucket bound
+    (``collectives.free_now``)."""
+    C.free_now(*buffers)
 
 
 _PLAN_FIGURES: dict = {}  # id(cross-mesh plan) -> (plan, pair bytes, (sent, received) per rank)
