@@ -10,7 +10,7 @@ from . import ops  # noqa: F401  (registers the sharding rules)
 from . import _dispatch  # noqa: F401  (installs itself as DTensor's op dispatcher)
 from . import _fast_path  # noqa: F401  (DTensor's __torch_function__ shortcut: opt-in, install())
 from .redistribute import explain_redistribute, RedistributePlan
-from .api import (distribute_tensor, distribute_module, zeros, ones, empty, full, rand, randn)
+from .factories import (distribute_tensor, distribute_module, zeros, ones, empty, full, rand, randn)
 from . import checkpoint, debug, experimental, placement_types, random
 from .strategy_api import local_map, register_sharding
 from .primitives import (all_to_all_single, compute_local_shape_and_global_offset, ring_shift,

@@ -16,7 +16,7 @@ __all__ = ["distribute_tensor", "distribute_module", "zeros", "ones", "empty", "
            "randn"]
 
 
-def _partialize(local: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
+def partialize(local: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
     """Turn a replicated piece into the piece of the same *global* value under spec's Partials:
     for sum, only coordinate 0 of the mesh dim keeps the value (avg/max/min: everyone does)."""
     coord = spec.mesh.get_coordinate()
@@ -61,7 +61,7 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
         local = local_piece(data, spec).contiguous().clone()
     else:
         local = _scatter_pieces(data, spec, src_data_rank)
-    local = _partialize(local, spec)
+    local = partialize(local, spec)
     return DTensor(local.requires_grad_(False), spec, requires_grad=tensor.requires_grad)
 
 
@@ -203,7 +203,7 @@ def _factory(fill: Callable, size, *, dtype, layout, requires_grad, device_mesh,
         local = local_piece(fill(shape, dtype=dtype, device=device), spec).contiguous().clone()
     else:
         local = fill(spec.local_shape(), dtype=dtype, device=device)
-    local = _partialize(local, spec)
+    local = partialize(local, spec)
     return DTensor(local, spec, requires_grad=requires_grad)
 
 

@@ -38,7 +38,7 @@ from .dtensor import DTensor, _default_mesh
 from .placements import Replicate
 from .redistribute.cross_mesh import (_volume, box_slices, check_meshes, mesh_instances,
                                       plan_cross_mesh, reduced_source, shift_box)
-from .redistribute.local import redistribute_local
+from .redistribute.entry import redistribute_local
 from .spec import DTensorSpec, TensorMeta
 
 __all__ = ["Concat", "RelayoutPlan", "plan_relayout", "relayout_", "relayout_optimizer_state_"]

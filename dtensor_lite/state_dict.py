@@ -401,10 +401,10 @@ def _to_target(what: str, value, target):
 
 def _shard_like(full: torch.Tensor, target: DTensor) -> DTensor:
     """This rank's piece of ``full`` under ``target``'s spec (shard order included); local."""
-    from .api import _partialize
+    from .factories import partialize
     spec = target._spec
     full = full.detach().to(dtype=spec.dtype, device=target._local_tensor.device)
-    local = _partialize(local_piece(full, spec).contiguous(), spec)
+    local = partialize(local_piece(full, spec).contiguous(), spec)
     return DTensor(local, spec)
 
 

@@ -35,7 +35,7 @@ import functools
 import torch
 
 from ..placements import Partial, Replicate, Shard
-from ..redistribute.local import redistribute_local
+from ..redistribute.entry import redistribute_local
 from ..spec import DTensorSpec, TensorMeta
 from ._registry import Decompose, FullStrategy, register_rule
 from .kit import arg, bound_args, choose, input_names, replace_args, strategy
