@@ -37,12 +37,14 @@ save exactly what the original forward saved and cost no communication:
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 from typing import Any, Callable
 
 import torch
 import torch.nn as nn
+import torch.utils._pytree as pytree
 
 from .observers import OBSERVERS, notify
 from .param_group import ShardState
@@ -307,39 +309,31 @@ def _caster(dtype: torch.dtype) -> Callable:
 
 
 def map_tensors(fn: Callable, obj: Any) -> Any:
-    """``obj`` with ``fn`` applied to every tensor inside lists, tuples, namedtuples, dicts and
-    dataclasses (rebuilt only where something changed)."""
-    if isinstance(obj, torch.Tensor):
-        return fn(obj)
-    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-        changes = {}
-        for f in dataclasses.fields(obj):
-            old = getattr(obj, f.name)
-            new = map_tensors(fn, old)
-            if new is not old:
-                changes[f.name] = new
-        if not changes:
-            return obj
-        out = __import__("copy").copy(obj)
-        for name, value in changes.items():
-            object.__setattr__(out, name, value)  # also works for frozen dataclasses
-        return out
-    if isinstance(obj, (list, tuple)):
-        items = [map_tensors(fn, x) for x in obj]
-        if all(a is b for a, b in zip(items, obj)):
-            return obj
-        if hasattr(obj, "_fields"):  # namedtuple
-            return type(obj)(*items)
-        return type(obj)(items)
-    if isinstance(obj, dict):
-        items = {k: map_tensors(fn, v) for k, v in obj.items()}
-        if all(items[k] is obj[k] for k in obj):
-            return obj
-        try:
-            return type(obj)(items)
-        except TypeError:
-            return items
-    return obj
+    """``obj`` with ``fn`` applied to every tensor inside the containers torch's pytree knows
+    (``torch.utils._pytree``: lists, tuples, namedtuples, dicts, OrderedDicts, ...) and inside
+    dataclasses, which the pytree takes as leaves (one is copied only where a field changed)."""
+    def leaf(x):
+        if isinstance(x, torch.Tensor):
+            return fn(x)
+        if dataclasses.is_dataclass(x) and not isinstance(x, type):
+            return _map_dataclass(fn, x)
+        return x
+    return pytree.tree_map(leaf, obj)
+
+
+def _map_dataclass(fn: Callable, obj: Any) -> Any:
+    changes = {}
+    for f in dataclasses.fields(obj):
+        old = getattr(obj, f.name)
+        new = map_tensors(fn, old)
+        if new is not old:
+            changes[f.name] = new
+    if not changes:
+        return obj
+    out = copy.copy(obj)
+    for name, value in changes.items():
+        object.__setattr__(out, name, value)  # also works for frozen dataclasses
+    return out
 
 
 def collect_tensors(obj: Any) -> list[torch.Tensor]:
