@@ -45,7 +45,8 @@ def register_sharding(op):
         rule.__name__ = f"user_rule_{getattr(fn, '__name__', 'fn')}"
         for o in ops:
             for overload in _overloads(o):
-                set_rule(overload, rule)  # a user rule may read any value: cache by value
+                # a user rule may read any value: cache by value; it overrides, as torch's
+                set_rule(overload, rule, override=True)
         _caches.clear_decisions()  # decisions made under the old rule must not be reused
         return fn
 

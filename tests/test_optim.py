@@ -338,8 +338,8 @@ def test_foreach_ops_key_by_value_when_the_element_rule_may_read_values():
         assert sorted(set(seen)) == [1.0, 1.5, 3.0]
         assert id(foreach_op) not in _registry.SIGN_KEYED
     finally:
-        _registry.set_rule(elem_op, old_rule)
-        _registry.set_rule(foreach_op, foreach_rule, scalars_by_sign=True)
+        _registry.set_rule(elem_op, old_rule, override=True)
+        _registry.set_rule(foreach_op, foreach_rule, scalars_by_sign=True, override=True)
         clear_decisions()
 
 

@@ -333,3 +333,23 @@ def test_moe_rejects_a_bad_top_k():
     mesh = init_device_mesh("cpu", (4,))
     with pytest.raises(ValueError, match="top_k=5 must be between 1 and num_experts=4"):
         ExpertParallelMoE(8, 12, 4, mesh, top_k=5)
+
+
+def test_set_rule_refuses_a_second_rule_unless_override():
+    """A later registration for an op that has a rule raises instead of silently replacing it
+    (import order would decide which rule runs); override=True replaces it on purpose."""
+    from dtensor_lite.ops import _registry
+    op = torch.ops.aten.mv.default
+    library_rule = _registry.get_rule(op)
+
+    def other(call):
+        return library_rule(call)
+    with pytest.raises(ValueError, match=r"aten\.mv\.default already has the rule .*override=True"):
+        _registry.register_rule(op)(other)
+    assert _registry.get_rule(op) is library_rule
+    _registry.set_rule(op, library_rule)  # the same rule again is no change: accepted
+    try:
+        _registry.set_rule(op, other, override=True)
+        assert _registry.get_rule(op) is other
+    finally:
+        _registry.set_rule(op, library_rule, override=True)

@@ -87,7 +87,7 @@ SIGN_KEYED: set = set()
 CROSS_MESH_OPS: dict = {}
 
 
-def register_rule(*ops, scalars_by_sign: bool = False):
+def register_rule(*ops, scalars_by_sign: bool = False, override: bool = False):
     """Decorator: register ``rule`` for each aten op overload (or every overload of a packet).
 
     ``scalars_by_sign=True`` promises that the decision the rule leads to -- placements, whether
@@ -97,18 +97,27 @@ def register_rule(*ops, scalars_by_sign: bool = False):
     reuses one decision for every value of a sign: an optimizer's per-step scalars (AdamW's
     bias corrections) hit the cache instead of deciding again, and the cache stops growing.
     A rule that finds out it cannot keep the promise (e.g. a foreach op whose per-element rule
-    reads values) calls :func:`key_scalars_by_value`."""
+    reads values) calls :func:`key_scalars_by_value`. An op that has a rule already raises
+    (so import order never decides which rule runs) unless ``override=True``."""
     def deco(rule):
         for op in ops:
             for overload in _overloads(op):
-                set_rule(overload, rule, scalars_by_sign)
+                set_rule(overload, rule, scalars_by_sign, override=override)
         return rule
     return deco
 
 
-def set_rule(overload, rule, scalars_by_sign: bool = False):
+def set_rule(overload, rule, scalars_by_sign: bool = False, *, override: bool = False):
     """Register ``rule`` for one overload (what :func:`register_rule` and the public
-    ``register_sharding`` do per overload)."""
+    ``register_sharding`` do per overload). A second, different rule for the same overload is
+    refused unless ``override=True`` (``register_sharding``, like PyTorch's, overrides)."""
+    old = RULES.get(overload)
+    if old is not None and old is not rule and not override:
+        raise ValueError(
+            f"set_rule: {overload} already has the rule {getattr(old, '__qualname__', old)!r} "
+            f"(from {getattr(old, '__module__', '?')}); registering "
+            f"{getattr(rule, '__qualname__', rule)!r} would silently replace it. Pass "
+            "override=True to replace it on purpose, or extend the existing rule")
     RULES[overload] = rule
     if scalars_by_sign:
         SIGN_KEYED.add(id(overload))

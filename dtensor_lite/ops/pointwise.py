@@ -104,7 +104,8 @@ def _discover():
             continue  # random ops: random.py makes them reproducible across meshes
         if any(a.is_out for a in schema.arguments):
             continue  # the dispatcher runs out= through the functional overload
-        if any("[]" in str(a.type) for a in list(schema.arguments) + list(schema.returns)):
+        if any("[]" in str(a.type) or "List[" in str(a.type)  # Tensor[] prints as List[Tensor]
+               for a in list(schema.arguments) + list(schema.returns)):
             continue  # foreach / list ops (foreach.py), where(cond) -> nonzero (tensor_ops.py)
         if not any("Tensor" in str(r.type) for r in schema.returns):
             continue

@@ -61,7 +61,7 @@ def _physical_twin(view_op, view_rule, local_fn):
             result = expand_strategies(call, list(result))
         result.local_fn = local_fn
         return result
-    set_rule(view_op, rule)
+    set_rule(view_op, rule, override=True)  # wraps the rule it replaces
 
 
 _ELEMENTWISE = get_rule(aten._conj.default)  # the pointwise family's rule: placements kept
