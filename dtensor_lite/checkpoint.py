@@ -244,7 +244,7 @@ def _agree(action) -> None:
         action()
         return
     from . import collectives as C
-    from .dtensor import _default_mesh
+    from .dtensor import default_mesh
 
     error = None
     if dist.get_rank() == 0:
@@ -253,6 +253,6 @@ def _agree(action) -> None:
         except Exception as exc:  # noqa: BLE001 -- re-raised on every rank below
             error = exc if isinstance(exc, CheckpointError) else CheckpointError(
                 f"{type(exc).__name__}: {exc}")
-    error = C.broadcast_object(error, _default_mesh(torch.empty(0)), 0, 0)
+    error = C.broadcast_object(error, default_mesh(torch.empty(0)), 0, 0)
     if error is not None:
         raise error

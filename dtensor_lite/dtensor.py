@@ -169,7 +169,7 @@ class DTensor(torch.Tensor):
         """
         if not isinstance(local_tensor, torch.Tensor) or isinstance(local_tensor, DTensor):
             raise TypeError(f"from_local needs a plain local torch.Tensor, got {type(local_tensor).__name__}")
-        mesh = _given_or_current_mesh(device_mesh, local_tensor)
+        mesh = given_or_current_mesh(device_mesh, local_tensor)
         placements = normalize_placements(placements, mesh, local_tensor.ndim)
         if local_tensor.device.type != mesh.device_type and local_tensor.device.type != "meta":
             local_tensor = local_tensor.to(mesh.device_type)
@@ -471,16 +471,16 @@ class _Redistribute(torch.autograd.Function):
 _DEFAULT_MESHES: dict = _caches.register({})  # device type -> 1-D world mesh
 
 
-def _given_or_current_mesh(device_mesh: DeviceMesh | None, like: torch.Tensor) -> DeviceMesh:
+def given_or_current_mesh(device_mesh: DeviceMesh | None, like: torch.Tensor) -> DeviceMesh:
     """The mesh a call given ``device_mesh`` uses: that one, else the innermost ``with mesh:``
     block's (as torch's), else a 1-D mesh over the whole world."""
     if device_mesh is not None:
         return device_mesh
     from .device_mesh import current_mesh
-    return current_mesh() or _default_mesh(like)
+    return current_mesh() or default_mesh(like)
 
 
-def _default_mesh(like: torch.Tensor) -> DeviceMesh:
+def default_mesh(like: torch.Tensor) -> DeviceMesh:
     """A 1-D mesh over the whole world, used when a call gives no device_mesh."""
     from .device_mesh import drop_stale_groups, init_device_mesh
     if not dist.is_initialized():

@@ -9,7 +9,7 @@ import torch.nn as nn
 
 from . import collectives as C
 from .device_mesh import DeviceMesh
-from .dtensor import DTensor, _given_or_current_mesh
+from .dtensor import DTensor, given_or_current_mesh
 from .spec import DTensorSpec, TensorMeta, contiguous_stride, local_piece, normalize_placements
 
 __all__ = ["distribute_tensor", "distribute_module", "zeros", "ones", "empty", "full", "rand",
@@ -48,7 +48,7 @@ def distribute_tensor(tensor: torch.Tensor, device_mesh: DeviceMesh | None = Non
     if isinstance(tensor, DTensor):
         raise ValueError("distribute_tensor got a DTensor; use .redistribute(mesh, placements) "
                          "to change its placements")
-    mesh = _given_or_current_mesh(device_mesh, tensor)
+    mesh = given_or_current_mesh(device_mesh, tensor)
     placements = normalize_placements(placements, mesh, tensor.ndim)
     if tensor.device.type != mesh.device_type and tensor.device.type != "meta":
         tensor = tensor.to(mesh.device_type)
@@ -133,7 +133,7 @@ def distribute_module(module: nn.Module, device_mesh: DeviceMesh | None = None,
         ...         mod.weight = nn.Parameter(distribute_tensor(mod.weight, mesh, [Shard(0)]))
         >>> distribute_module(model, mesh, shard_linear)
     """
-    mesh = _given_or_current_mesh(device_mesh, next(iter(module.parameters()), torch.empty(0)))
+    mesh = given_or_current_mesh(device_mesh, next(iter(module.parameters()), torch.empty(0)))
     if getattr(module, "_dtensor_lite_distributed", False):
         raise RuntimeError(f"distribute_module was already applied to {type(module).__name__}; "
                            "apply it once per module")
@@ -186,7 +186,7 @@ def _factory(fill: Callable, size, *, dtype, layout, requires_grad, device_mesh,
         size = tuple(size[0])
     shape = torch.Size(size)
     dtype = dtype or torch.get_default_dtype()
-    mesh = _given_or_current_mesh(device_mesh, torch.empty(0))
+    mesh = given_or_current_mesh(device_mesh, torch.empty(0))
     placements = normalize_placements(placements, mesh, len(shape))
     spec = DTensorSpec(mesh, placements, TensorMeta(shape, contiguous_stride(shape), dtype))
     device = torch.device(mesh.device_type, torch.cuda.current_device()) \

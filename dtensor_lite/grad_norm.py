@@ -19,7 +19,7 @@ from typing import Iterable
 import torch
 
 from . import collectives as C
-from .dtensor import DTensor, _default_mesh
+from .dtensor import DTensor, default_mesh
 
 __all__ = ["get_total_norm", "clip_grad_norm_"]
 
@@ -64,7 +64,7 @@ def get_total_norm(tensors: Iterable[torch.Tensor] | torch.Tensor, norm_type: fl
         mine = _fold(mine, torch.stack([n.to_local().to(acc) for n in norms]), op, norm_type)
     if groups:
         device = next(iter(groups)).device_type
-        mine = C.all_reduce(mine.to(device), _default_mesh(mine.to(device)), 0, op).cpu()
+        mine = C.all_reduce(mine.to(device), default_mesh(mine.to(device)), 0, op).cpu()
     if plain:
         mine = _fold(mine, torch.stack([torch.linalg.vector_norm(t.detach().cpu().to(acc),
                                                                  norm_type) for t in plain]),

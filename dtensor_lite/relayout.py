@@ -34,9 +34,9 @@ import torch
 import torch.nn as nn
 
 from . import collectives as C
-from .dtensor import DTensor, _default_mesh
+from .dtensor import DTensor, default_mesh
 from .placements import Replicate
-from .redistribute.cross_mesh import (_volume, box_slices, check_meshes, mesh_instances,
+from .redistribute.cross_mesh import (box_volume, box_slices, check_meshes, mesh_instances,
                                       plan_cross_mesh, reduced_source, shift_box)
 from .redistribute.entry import redistribute_local
 from .spec import DTensorSpec, TensorMeta
@@ -244,7 +244,7 @@ class RelayoutPlan:
             offset = reduced.local_shape_and_offset()[1] if coord is not None else None
             local_src[id(m)] = (local, offset)
             for (a, b), boxes in m.plan.pairs.items():
-                numel = sum(_volume(box) for box in boxes)
+                numel = sum(box_volume(box) for box in boxes)
                 if a == me:
                     send_numel[b] = send_numel.get(b, 0) + numel
                 if b == me:
@@ -262,7 +262,7 @@ class RelayoutPlan:
                 if a != me:
                     continue
                 for box in boxes:
-                    n = _volume(box)
+                    n = box_volume(box)
                     flat_sends[b][fill[b]:fill[b] + n].view(
                         [e - s for s, e in box]).copy_(local[box_slices(box, offset)])
                     fill[b] += n
@@ -286,7 +286,7 @@ class RelayoutPlan:
                     continue
                 flat = received[a]
                 for box in boxes:
-                    n = _volume(box)
+                    n = box_volume(box)
                     start = cursor[a]
                     piece[box_slices(shift_box(box, m.region), dst_offset)] = \
                         flat[start:start + n].reshape([e - s for s, e in box]).to(piece.dtype)
@@ -356,7 +356,7 @@ def _fingerprint(moves, options) -> int:
 def _check_same_plan(plan: RelayoutPlan) -> None:
     """One all-reduce (max and min of the fingerprint) over the world: every rank raises the same
     error when some rank planned differently, before any tensor moves."""
-    mesh = _default_mesh(torch.empty(0))
+    mesh = default_mesh(torch.empty(0))
     mine = torch.tensor([plan.fingerprint, -plan.fingerprint], dtype=torch.int64)
     both = C.all_reduce(mine, mesh, 0, "max")
     if int(both[0]) != -int(both[1]):

@@ -32,7 +32,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from . import collectives as C
-from .dtensor import DTensor, _default_mesh
+from .dtensor import DTensor, default_mesh
 from .spec import local_piece
 
 __all__ = ["StateDictOptions", "get_model_state_dict", "set_model_state_dict",
@@ -437,7 +437,7 @@ def _skeleton_from_rank0(tree, like: torch.Tensor | None):
     structure (keys, shapes, dtypes) travels first, in one object broadcast."""
     if not dist.is_initialized() or dist.get_world_size() == 1:
         return tree
-    mesh = _default_mesh(like if like is not None else torch.empty(0))
+    mesh = default_mesh(like if like is not None else torch.empty(0))
     rank0 = dist.get_rank() == 0
     if rank0:
         def meta(v):

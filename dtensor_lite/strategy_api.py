@@ -8,7 +8,7 @@ from typing import Callable, Sequence
 
 from . import _caches
 from ._local_map import local_map
-from .ops._registry import _overloads, set_rule
+from .ops._registry import overloads_of, set_rule
 from .placements import Placement
 from .spec import DTensorSpec
 
@@ -44,7 +44,7 @@ def register_sharding(op):
 
         rule.__name__ = f"user_rule_{getattr(fn, '__name__', 'fn')}"
         for o in ops:
-            for overload in _overloads(o):
+            for overload in overloads_of(o):
                 # a user rule may read any value: cache by value; it overrides, as torch's
                 set_rule(overload, rule, override=True)
         _caches.clear_decisions()  # decisions made under the old rule must not be reused

@@ -101,7 +101,7 @@ def register_rule(*ops, scalars_by_sign: bool = False, override: bool = False):
     (so import order never decides which rule runs) unless ``override=True``."""
     def deco(rule):
         for op in ops:
-            for overload in _overloads(op):
+            for overload in overloads_of(op):
                 set_rule(overload, rule, scalars_by_sign, override=override)
         return rule
     return deco
@@ -130,7 +130,7 @@ def key_scalars_by_value(op):
     SIGN_KEYED.discard(id(op))
 
 
-def _overloads(op):
+def overloads_of(op):
     """The overloads a registration for ``op`` covers. A packet's ``out=`` overloads are left
     out: the dispatcher runs them as their functional overload plus a copy into ``out``, while
     a rule written for the functional overload would count ``out`` as one more input."""

@@ -80,11 +80,11 @@ class CrossMeshPlan(NamedTuple):
         """{global rank: bytes it sends}."""
         out: dict = {}
         for (a, _), boxes in self.pairs.items():
-            out[a] = out.get(a, 0) + sum(_volume(b) for b in boxes) * self.itemsize
+            out[a] = out.get(a, 0) + sum(box_volume(b) for b in boxes) * self.itemsize
         return out
 
     def pair_bytes(self) -> dict:
-        return {k: sum(_volume(b) for b in v) * self.itemsize for k, v in self.pairs.items()}
+        return {k: sum(box_volume(b) for b in v) * self.itemsize for k, v in self.pairs.items()}
 
     @property
     def cost(self) -> int:
@@ -103,7 +103,7 @@ class CrossMeshPlan(NamedTuple):
         return "\n".join(lines)
 
 
-def _volume(box: Box) -> int:
+def box_volume(box: Box) -> int:
     return math.prod(stop - start for start, stop in box)
 
 
@@ -247,7 +247,7 @@ def redistribute_across_meshes(local: torch.Tensor, src: DTensorSpec,
         if a == me:
             pieces = [local[box_slices(box, src_offset)].reshape(-1) for box in boxes]
             sends[b] = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-    recvs = {a: (sum(_volume(box) for box in boxes), dst.dtype)
+    recvs = {a: (sum(box_volume(box) for box in boxes), dst.dtype)
              for (a, b), boxes in plan.pairs.items() if b == me}
     received = C.exchange_pieces(sends, recvs, device) if sends or recvs else {}
     dst_coord = dst.mesh.get_coordinate()
@@ -263,7 +263,7 @@ def redistribute_across_meshes(local: torch.Tensor, src: DTensorSpec,
             continue
         flat, start = received[a], 0
         for box in boxes:
-            n = _volume(box)
+            n = box_volume(box)
             out[box_slices(box, offset)] = flat[start:start + n].reshape(
                 [e - s for s, e in box])
             start += n
