@@ -85,7 +85,7 @@ class Follower:
 
     @staticmethod
     def holds_params(g) -> bool:
-        return g.unsharded_nbytes() > 0 or g._pending_ag is not None
+        return g.unsharded_nbytes() > 0 or g.pending_ag is not None
 
     @staticmethod
     def neighbour(order, g, step):
@@ -175,7 +175,7 @@ def _follow_step(layout, reshard_after_forward):
     assert 1 <= follower.max_unsharded <= 2  # the current group and the prefetched one at most
     for g in follower.order:
         assert g.state is ShardState.SHARDED and g.unsharded_nbytes() == 0
-        assert g._pending_ag is None and all(t is None for t in g.grads)
+        assert g.pending_ag is None and all(t is None for t in g.grads)
     assert follower.states[0].ctx.pending_reduce is None
     # every tensor the step left alive is a sharded gradient (or optimizer state)
     params = list(net.parameters())
