@@ -501,6 +501,18 @@ def _op_db_exception(key, pass_name):
     return OP_DB_EXCEPTIONS.get((key, pass_name)) or OP_DB_EXCEPTIONS.get(key)
 
 
+def row_verdict(pass_name, key, row):
+    """("less" | "same" | "more" | "skip", the written reason when ours may cost more) of one
+    row of ``_run_op_db_comm_batch`` (also benchmarks/comm_vs_torch.py's tally)."""
+    if row[0] == "skip":
+        return "skip", None
+    of, tf, ob, tb, rng = (Comm(*c) for c in row[1:])
+    ours, theirs = of + ob, tf + tb
+    why = _op_db_exception(key, pass_name) or (
+        RNG_CHECK if rng.collectives and ours.cost - rng.cost <= theirs.cost else None)
+    return _verdict(ours, theirs), why
+
+
 def test_op_db_costs_no_more_than_torch():
     from tests.test_opinfo import OP_DB_PASSES, _op_db_entries
     full = os.environ.get("DTL_OPINFO_FULL") == "1"
@@ -524,18 +536,12 @@ def test_op_db_costs_no_more_than_torch():
     worse = []
     reasons: dict = {}
     for (pass_name, key), row in sorted(rows.items()):
-        if row[0] == "skip":
-            tally["skip"] += 1
-            continue
-        of, tf, ob, tb, rng = (Comm(*c) for c in row[1:])
-        ours, theirs = of + ob, tf + tb
-        verdict = _verdict(ours, theirs)
+        verdict, why = row_verdict(pass_name, key, row)
         tally[verdict] += 1
-        why = _op_db_exception(key, pass_name) or (
-            RNG_CHECK if rng.collectives and ours.cost - rng.cost <= theirs.cost else None)
         if verdict == "more":
             reasons[why] = reasons.get(why, 0) + 1
         if verdict == "more" and not why:
+            of, tf, ob, tb = (Comm(*c) for c in row[1:5])
             worse.append(f"{pass_name} {key}: ours fwd {of} bwd {ob} > torch fwd {tf} bwd {tb}")
     line = (f"comm vs torch, op_db ({'full' if full else f'sample, seed {COMM_SEED}'}): "
             f"{tally['less']} (op, layout) cheaper, {tally['same']} same, {tally['more']} dearer "
