@@ -155,6 +155,55 @@ def test_histc_with_a_range_is_partial(dim):
     torch.testing.assert_close(got.full_tensor(), a.histc(bins=7))
 
 
+@distributed(world_size=4)
+def test_colwise_shard_input_gathers_once():
+    """ColwiseParallel(input_layouts=Shard(0)) on a Linear, forward + backward, once warm: the
+    collectives torch issues (an all_gather, a reduce_scatter), the bytes torch moves plus the
+    8-byte size header per rank that keeps uneven pieces exact (SIZE_HEADER)."""
+    from dtensor_lite import Shard
+    torch.manual_seed(0)
+    ours, theirs = _tp_case("ColwiseParallel", nn.Linear(10, 16), torch.randn(8, 10),
+                            {"input_layouts": Shard(0)})
+    assert ours.collectives <= theirs.collectives == 2, (ours, theirs)
+    assert ours.nbytes <= theirs.nbytes + 8 * (4 - 1), (ours, theirs)
+
+
+@distributed(world_size=4)
+def test_dropout_under_sequence_parallel():
+    """Dropout under SequenceParallel (PyTorch's test): a DTensor input (what the layer before
+    hands over) costs no more than torch in collectives and bytes -- the random op checks the
+    generators only over replicated dims, and this layout has none once warm; a local input
+    pays the size headers alone (SIZE_EXCHANGE), never the generator check."""
+    import torch.distributed.tensor as tdt
+    from dtensor_lite import DTensor, Shard, distribute_tensor
+    import tp
+    import torch.distributed.tensor.parallel as ttp
+    mesh, tmesh = _meshes((4,))
+    ours_mod = tp.parallelize_module(nn.Dropout(0.5), mesh, tp.SequenceParallel())
+    torch_mod = ttp.parallelize_module(nn.Dropout(0.5), tmesh, ttp.SequenceParallel())
+    a = torch.randn(2, 8, 10)
+
+    def step(mod, x):
+        out = mod(x)
+        out = out.full_tensor() if isinstance(out, (DTensor, tdt.DTensor)) else out
+        out.sum().backward()
+    for make, mod, measure in (
+            (lambda: distribute_tensor(a, mesh, [Shard(1)]), ours_mod, _ours),
+            (lambda: tdt.distribute_tensor(a, tmesh, [tdt.Shard(1)]), torch_mod, _theirs)):
+        step(mod, make().requires_grad_())  # warm-up
+    x = distribute_tensor(a, mesh, [Shard(1)]).requires_grad_()
+    tx = tdt.distribute_tensor(a, tmesh, [tdt.Shard(1)]).requires_grad_()
+    ours, _ = _ours(lambda: step(ours_mod, x))
+    theirs, _ = _theirs(lambda: step(torch_mod, tx))
+    _assert_no_more(ours, theirs)
+    assert ours == Comm(1, 480)  # full_tensor's all_gather: the dropout itself moves nothing
+    assert _RNG_CHECKS[0] == Comm(0, 0)
+    local = a.chunk(4, 1)[dist.get_rank()]
+    step(ours_mod, local.clone().requires_grad_())
+    ours, _ = _ours(lambda: step(ours_mod, local.clone().requires_grad_()))
+    assert ours == theirs + Comm(1, 8 * (4 - 1)) and _RNG_CHECKS[0] == Comm(0, 0), ours
+
+
 # ============================================================================ TP styles
 def _tp_case(style_name, module, x, layouts):
     """(ours, torch) Comm of forward + backward (and full_tensor of a DTensor output) of
@@ -183,10 +232,15 @@ def _tp_case(style_name, module, x, layouts):
 
 
 # A local tensor declared Shard(d) may be an uneven piece (a sequence length the mesh size does
-# not divide): we exchange the pieces' shapes (one all_gather of a fixed-size row) to know the
-# global shape exactly. PyTorch assumes even pieces (global = local x n), which gives wrong
-# shapes or aborts gloo when they are not. DTensor activations (shapes known) skip it.
-SHAPE_EXCHANGE = "one shape exchange for a local Shard input: exact on uneven pieces"
+# not divide, the last batch): PyTorch assumes even pieces (global = local x n), which gives
+# wrong shapes or aborts gloo when they are not. Ours stays exact (dtensor_lite/_gather_pieces.py):
+# a piece gathered whole carries its size in an 8-byte header of the same all_gather (torch's
+# collectives, 8 bytes more per rank: with even pieces no padding is left to say "my size
+# changed" in, so exactness costs at least that); a piece not gathered (SequenceParallel) has
+# no collective to ride on and pays one all_gather of the headers alone. DTensor inputs (shapes
+# known) pay neither.
+SIZE_HEADER = "8-byte size header per rank in the input's all_gather: exact on uneven pieces"
+SIZE_EXCHANGE = "one all_gather of 8-byte size headers for a local Shard input: exact on uneven"
 
 
 def _tp_cases():
@@ -196,14 +250,14 @@ def _tp_cases():
     seq = torch.randn(2, 4, 10)  # (batch, sequence, hidden): SequenceParallel splits dim 1
     return [
         ("ColwiseParallel", lin, x, {}, None),
-        ("ColwiseParallel", lin, x, {"input_layouts": Shard(0)}, SHAPE_EXCHANGE),
+        ("ColwiseParallel", lin, x, {"input_layouts": Shard(0)}, SIZE_HEADER),
         ("ColwiseParallel", lin, x, {"output_layouts": Replicate()}, None),
         ("RowwiseParallel", lin, torch.randn(8, 10), {"input_layouts": Replicate()}, None),
         ("RowwiseParallel", lin, x, {"input_layouts": Replicate(), "output_layouts": Shard(0)},
          None),
         ("RowwiseParallel", nn.Linear(16, 10), torch.randn(8, 4), {}, None),
-        ("SequenceParallel", nn.LayerNorm(10), seq, {}, SHAPE_EXCHANGE),
-        ("SequenceParallel", nn.Dropout(0.5), seq, {}, SHAPE_EXCHANGE),
+        ("SequenceParallel", nn.LayerNorm(10), seq, {}, SIZE_EXCHANGE),
+        ("SequenceParallel", nn.Dropout(0.5), seq, {}, SIZE_EXCHANGE),
     ]
 
 
