@@ -19,6 +19,7 @@ unlisted dearer pair; writes the rows and the tally as JSON.
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import os
 import re
@@ -84,14 +85,22 @@ def main(argv=None):
     k, n = (int(x) for x in a.shard.split("/"))
     keys = [key for key, _ in _op_db_entries() if re.search(a.ops, key)][k::n]
     rows = {} if a.fresh else _load(a.out)
+    progress = os.environ["DTL_COMM_PROGRESS"] = os.path.abspath(a.out) + ".progress"
     start = time.perf_counter()
     try:
         for pass_name in a.passes:
+            # an op whose run killed a batch in one layout is not run again in another (each
+            # such run costs a restart of the worker pool)
+            killed = {name.split("|", 1)[1]: name.split("|", 1)[0] for name, row in rows.items()
+                      if row[0] == "skip" and row[1].startswith("run failed")}
+            for key in keys:
+                if key in killed and f"{pass_name}|{key}" not in rows:
+                    rows[f"{pass_name}|{key}"] = ["skip", f"run failed on {killed[key]}: not run"]
             todo = [key for key in keys if f"{pass_name}|{key}" not in rows]
             for i in range(0, len(todo), a.batch):
                 batch = todo[i:i + a.batch]
                 out = _run_batch(run_distributed, DistributedTestFailure,
-                                 _run_op_db_comm_batch, pass_name, batch)
+                                 _run_op_db_comm_batch, pass_name, batch, progress)
                 rows.update({f"{pass_name}|{key}": list(r) for key, r in out.items()})
                 _save(a.out, rows)
                 print(f"{pass_name}: {min(i + a.batch, len(todo))}/{len(todo)} "
@@ -101,17 +110,28 @@ def main(argv=None):
     _report(rows, a.out)
 
 
-def _run_batch(run_distributed, failure, body, pass_name, batch):
-    """{op key: row} of one batch; a batch that fails (a rank aborted or hung: a library's
-    ranks disagreed) is halved until the op that fails it is alone and skipped."""
-    try:
-        return run_distributed(4, body, pass_name, batch, timeout=60 + 30 * len(batch))[0]
-    except failure as e:
-        if len(batch) == 1:
-            return {batch[0]: ("skip", f"run failed: {str(e)[-300:]}")}
-    half = len(batch) // 2
-    return {**_run_batch(run_distributed, failure, body, pass_name, batch[:half]),
-            **_run_batch(run_distributed, failure, body, pass_name, batch[half:])}
+def _run_batch(run_distributed, failure, body, pass_name, batch, progress):
+    """{op key: row} of one batch. A batch that fails (a library's ranks disagreed and gloo
+    aborted one, or they hung) is resumed after the op it died in (each rank writes the op it
+    starts to ``progress``.<rank>), which is skipped."""
+    out = {}
+    while batch:
+        for path in glob.glob(progress + ".*"):
+            os.remove(path)
+        try:
+            out.update(run_distributed(4, body, pass_name, batch,
+                                       timeout=60 + 30 * len(batch))[0])
+            return out
+        except failure as e:
+            started = []
+            for path in glob.glob(progress + ".*"):
+                with open(path) as f:
+                    started.append(f.read())
+            at = min((batch.index(k) for k in started if k in batch), default=0)
+            out[batch[at]] = ("skip", f"run failed: {str(e)[-300:]}")
+            done = {k for k in batch[:at]}
+            batch = [k for k in batch[at + 1:]] + sorted(done)  # ops before it: again
+    return out
 
 
 def _report(rows, out):

@@ -36,8 +36,8 @@ from tests.harness import DistributedTestFailure, distributed, run_distributed
 _RNG_CHECKS: list[Comm] = []  # what the last _ours spent checking random generator states
 
 
-# The op_db and 3-D redistribute samples are fixed (seed 29: the ones examined and tabled below);
-# DTL_OPINFO_SEED=<n> draws another sample, DTL_OPINFO_FULL=1 compares every op.
+# The 3-D redistribute sample is fixed (seed 29; DTL_OPINFO_SEED=<n> draws another); op_db's is
+# a daily stratified rotation (op_db_comm_sample), DTL_OPINFO_FULL=1 compares every op.
 COMM_SEED = int(os.environ.get("DTL_OPINFO_SEED", "29"))
 
 
@@ -381,10 +381,11 @@ def test_redistribute_costs_no_more_than_torch(shape):
 # The layouts of test_opinfo's op_db test, the first sample that plain torch runs per op. An
 # op either library rejects on a layout is no comparison ("skip": correctness is
 # test_opinfo's job). DTL_OPINFO_FULL=1 compares every op (DTL_OPINFO_OPS / _PASSES narrow it,
-# DTL_COMM_REPORT=<path> saves every row); the suite compares test_opinfo's daily sample.
+# DTL_COMM_REPORT=<path> saves every row); the suite compares a daily stratified sample
+# (op_db_comm_sample) and benchmarks/comm_vs_torch.py every pair.
 #
-# (op key, pass) or op key -> why ours may cost more than torch's there. Found on the seed-29
-# and seed-30 samples (40 ops per layout each), not on the whole op_db.
+# (op key, pass) or op key -> why ours may cost more than torch's there, from
+# benchmarks/comm_vs_torch.py's run over the whole op_db.
 #
 # An op's strategy is chosen by what its inputs must move (bytes + latency per collective),
 # not by what its result will cost its consumer: a free Partial result (or a shard moved by an
@@ -516,6 +517,9 @@ def _run_op_db_comm_batch(pass_name, keys):
         info = by_key[key]
         if os.environ.get("DTL_OPINFO_FULL") == "1":  # shows where each rank is if one hangs
             print(f"comm op_db {pass_name} rank {dist.get_rank()}: {key}", flush=True)
+        if os.environ.get("DTL_COMM_PROGRESS"):  # the op a dead batch died in (the benchmark)
+            with open(f"{os.environ['DTL_COMM_PROGRESS']}.{dist.get_rank()}", "w") as f:
+                f.write(key)
         row = ("skip", "no sample plain torch runs")
         torch.manual_seed(0)
         for s in info.sample_inputs("cpu", torch.float32, requires_grad=info.supports_autograd):
@@ -567,17 +571,38 @@ def row_verdict(pass_name, key, row):
     return _verdict(ours, theirs), why
 
 
+def op_db_comm_sample(keys, passes, day):
+    """The (pass, op key) pairs the suite compares on ``day``: a stratified rotation -- op i is
+    compared on the days where i = day (mod m), m = ceil(len(keys) / OP_DB_COMM_OPS), so every
+    op comes once in m days (about four weeks) -- each on one layout, chosen by a hash of the op
+    and the rotation's cycle (every layout of an op comes over the cycles)."""
+    m = max(1, -(-len(keys) // OP_DB_COMM_OPS))
+    cycle = day // m
+    chosen = []
+    for i, key in enumerate(keys):
+        if i % m == day % m:
+            h = int(hashlib.sha256(f"{cycle}/{key}".encode()).hexdigest(), 16)
+            chosen.append((passes[h % len(passes)], key))
+    return chosen
+
+
 def test_op_db_costs_no_more_than_torch():
+    """The suite's share of benchmarks/comm_vs_torch.py (which runs every pair): a day's
+    stratified sample; every dearer pair has its reason in OP_DB_EXCEPTIONS, and an exception
+    for a pair of the sample that is no longer dearer is stale (remove it)."""
+    import datetime
     from tests.test_opinfo import OP_DB_PASSES, _op_db_entries
     full = os.environ.get("DTL_OPINFO_FULL") == "1"
     only = os.environ.get("DTL_OPINFO_OPS", "")
     keys = [k for k, _ in _op_db_entries() if re.search(only, k)]
     passes = os.environ.get("DTL_OPINFO_PASSES", "|".join(OP_DB_PASSES)).split("|")
+    day = int(os.environ.get("DTL_COMM_DAY", datetime.date.today().toordinal()))
+    pairs = [(p, k) for p in passes for k in keys] if full else \
+        op_db_comm_sample(keys, passes, day)
     rows = {}
     batch_size = 8  # a hang loses one batch
     for pass_name in passes:
-        chosen = keys if full else sorted(keys, key=lambda k: hashlib.sha256(
-            f"{COMM_SEED}/{pass_name}/{k}".encode()).hexdigest())[:OP_DB_COMM_OPS]
+        chosen = [k for p, k in pairs if p == pass_name and not k.startswith(TORCH_DIVERGES)]
         for i in range(0, len(chosen), batch_size):
             batch = chosen[i:i + batch_size]
             try:
@@ -587,7 +612,7 @@ def test_op_db_costs_no_more_than_torch():
                 out = {k: ("skip", f"batch failed: {str(e)[-500:]}") for k in batch}
             rows.update({(pass_name, k): r for k, r in out.items()})
     tally = {"less": 0, "same": 0, "more": 0, "skip": 0}
-    worse = []
+    worse, stale = [], []
     reasons: dict = {}
     for (pass_name, key), row in sorted(rows.items()):
         verdict, why = row_verdict(pass_name, key, row)
@@ -597,7 +622,9 @@ def test_op_db_costs_no_more_than_torch():
         if verdict == "more" and not why:
             of, tf, ob, tb = (Comm(*c) for c in row[1:5])
             worse.append(f"{pass_name} {key}: ours fwd {of} bwd {ob} > torch fwd {tf} bwd {tb}")
-    line = (f"comm vs torch, op_db ({'full' if full else f'sample, seed {COMM_SEED}'}): "
+        if verdict in ("less", "same") and (key, pass_name) in OP_DB_EXCEPTIONS:
+            stale.append(f"OP_DB_EXCEPTIONS[({key!r}, {pass_name!r})]: ours costs no more now")
+    line = (f"comm vs torch, op_db ({'full' if full else f'stratified sample, day {day}'}): "
             f"{tally['less']} (op, layout) cheaper, {tally['same']} same, {tally['more']} dearer "
             f"({tally['more'] - len(worse)} listed), {tally['skip']} not compared")
     conftest.SUMMARY_LINES.append(line)
@@ -606,8 +633,9 @@ def test_op_db_costs_no_more_than_torch():
         import json
         with open(os.environ["DTL_COMM_REPORT"], "w") as f:
             json.dump({f"{p}|{k}": r for (p, k), r in rows.items()}, f, indent=1)
-    assert not worse, f"OpInfo seed {COMM_SEED}:\n" + "\n".join(worse)
+    assert not worse, f"OpInfo day {day}:\n" + "\n".join(worse)
+    assert not stale, "\n".join(stale)
 
 
-# ops per pass in the suite: the first of test_opinfo's daily sample (same seed and order)
-OP_DB_COMM_OPS = int(os.environ.get("DTL_COMM_OPS", "5"))
+# op_db ops per day in the suite (every op once in len(op_db) / this days)
+OP_DB_COMM_OPS = int(os.environ.get("DTL_COMM_OPS", "25"))
