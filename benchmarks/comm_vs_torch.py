@@ -136,6 +136,11 @@ def _run_batch(run_distributed, failure, body, pass_name, batch, progress):
 
 def _report(rows, out):
     counts, unlisted = tally(rows)
+    passes = sorted({name.split("|", 1)[0] for name in rows})
+    print(f"{'layout':8} {'cheaper':>8} {'same':>6} {'dearer':>7} {'listed':>7} {'skipped':>8}")
+    for p in passes:
+        c, _ = tally({n: r for n, r in rows.items() if n.startswith(p + "|")})
+        print(f"{p:8} {c['less']:8} {c['same']:6} {c['more']:7} {c['listed']:7} {c['skip']:8}")
     line = (f"op_db comm vs torch: {counts['less']} (op, layout) cheaper, {counts['same']} same, "
             f"{counts['more']} dearer ({counts['listed']} listed with a reason), "
             f"{counts['skip']} not compared")

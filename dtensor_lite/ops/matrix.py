@@ -92,6 +92,16 @@ def _addr(call):
         (R, R, R), (Shard(0), Shard(0), R), (Shard(1), R, Shard(0))])
 
 
+@register_rule(aten.linalg_cross)
+def _cross(call):
+    # pointwise over every dim but the one holding the 3-vectors (which must be whole)
+    from .kit import arg
+    from .pointwise import pointwise_strategies
+    dim = arg(call, "dim") % max(s.ndim for s in call.inputs)
+    return [s for s in pointwise_strategies(call) if not (s[0][0].is_shard() and
+                                                        s[0][0].dim == dim)]
+
+
 def _vector_product_strategies(bias, out_ndim, cases):
     for op in LINEAR_REDUCE_OPS:  # a linear Partial in one factor stays Partial
         cases = cases + [(Partial(op), Partial(op), R), (Partial(op), R, Partial(op))]
@@ -104,7 +114,7 @@ def _dtensor_arg(a):
     return a
 
 
-@register_rule(aten.dot)
+@register_rule(aten.dot, aten.vdot)
 def _dot(call):
     # a 1-D contraction: sharded halves give partial sums
     return [((R,), (R, R)), ((Partial("sum"),), (Shard(0), Shard(0)))]
