@@ -396,6 +396,13 @@ SOFTMAX_SHARDED = ("softmax over the sharded dim keeps the logits sharded (a row
                    "sum all-reduced) instead of gathering them: the vocab-parallel loss "
                    "(tp.loss_parallel) exists never to gather logits, a memory saving the "
                    "byte cost does not price; for small inputs torch's one gather costs less")
+# A backward that autograd writes as many small ops (cat of blocks, index/scatter pairs): each
+# op picks its own cheapest move (all_to_alls of pieces, Partial sums), and the sequence costs
+# more than torch's gathering the input once. Fixing it needs a rule for the whole backward.
+BACKWARD_OPS_ONE_BY_ONE = "a backward of many small ops, each choosing its move alone"
+# Same collectives, a few bytes more on the busiest rank: the libraries pad uneven pieces
+# differently (ours to the largest torch.chunk piece of the gathered tensor's layout).
+UNEVEN_PADDING = "same collectives; uneven pieces padded differently on the busiest rank"
 OP_DB_EXCEPTIONS: dict = {
     # sync batch norm: a batch sharded over mesh dims keeps the input where it is and
     # all-reduces per-channel sums (mean, variance; 2C numbers per reducing mesh dim, and the
@@ -414,6 +421,18 @@ OP_DB_EXCEPTIONS: dict = {
     ("_upsample_bilinear2d_aa", "S0,S-1"): OUTPUT_NOT_PRICED,  # likewise
     ("nn.functional.interpolate.bicubic", "S0,S-1"): OUTPUT_NOT_PRICED,  # likewise
     ("constant_pad_nd", "S0,S-1"): OUTPUT_NOT_PRICED,  # the padded output gathered (84 B)
+    ("constant_pad_nd", "S0"): OUTPUT_NOT_PRICED,  # a Partial padded result all-reduced
+    ("nn.functional.pad.constant", "S0"): OUTPUT_NOT_PRICED,  # likewise
+    ("diag_embed", "S0"): OUTPUT_NOT_PRICED,  # a free Partial 5x5x5; torch gathers the input
+    ("nn.functional.max_pool2d", "S0"): OUTPUT_NOT_PRICED,  # Partial results all-reduced
+    ("gather", "S0"): OUTPUT_NOT_PRICED,  # the Partial input gradient all-reduced
+    ("corrcoef", "S0"): OUTPUT_NOT_PRICED,  # Partial sums reduced op by op
+    ("scatter", "S0"): BACKWARD_OPS_ONE_BY_ONE,  # an all_to_all of the index, then gathers
+    ("matrix_exp", "S0"): BACKWARD_OPS_ONE_BY_ONE,  # cat of blocks: five all_to_alls
+    # group norm over a sharded batch: like sync-BN, per-group statistics and the weight/bias
+    # gradient sums are all-reduced; torch gathers the (small) input
+    ("nn.functional.group_norm", "S0"): "group norm all-reduces statistics, never gathers",
+    "nn.functional.linear_cross_entropy": SOFTMAX_SHARDED,  # log_softmax over the vocab shard
     # sqrt of a Partial norm reduce-scatters (half an all-reduce's bytes), and the division
     # that follows gathers the shards back; torch all-reduces once and divides locally
     ("masked.normalize", "S0"): OUTPUT_NOT_PRICED,
