@@ -422,6 +422,10 @@ OP_DB_EXCEPTIONS: dict = {
     ("nn.functional.interpolate.bicubic", "S0,S-1"): OUTPUT_NOT_PRICED,  # likewise
     ("constant_pad_nd", "S0,S-1"): OUTPUT_NOT_PRICED,  # the padded output gathered (84 B)
     ("constant_pad_nd", "S0"): OUTPUT_NOT_PRICED,  # a Partial padded result all-reduced
+    # addr: the vector sharded like its output dim is turned Partial for free (zero pieces) and
+    # the other gathered; the Partial outer product then costs an all-reduce in full_tensor
+    ("addr", "S0"): OUTPUT_NOT_PRICED, ("addr", "S0,S0"): OUTPUT_NOT_PRICED,
+    ("addr", "S0,S-1"): OUTPUT_NOT_PRICED,
     ("nn.functional.pad.constant", "S0"): OUTPUT_NOT_PRICED,  # likewise
     ("diag_embed", "S0"): OUTPUT_NOT_PRICED,  # a free Partial 5x5x5; torch gathers the input
     ("nn.functional.max_pool2d", "S0"): OUTPUT_NOT_PRICED,  # Partial results all-reduced
