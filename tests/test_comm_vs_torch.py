@@ -481,6 +481,7 @@ OP_DB_EXCEPTIONS: dict = {
     ('nn.functional.pad.constant', 'R,S0'): OUTPUT_NOT_PRICED,  # ours (1, 84)+(0, 0), torch (1, 36)+(0, 0)
     ('scatter', 'R,S0'): BACKWARD_OPS_ONE_BY_ONE,  # ours (3, 280)+(3, 252), torch (3, 280)+(2, 180)
     ('vsplit', 'R,S0'): NOT_EXAMINED,  # ours (2, 128)+(0, 0), torch (2, 120)+(0, 0)
+    # all inputs Replicate, yet the weight's gradient arrives sharded and full_tensor gathers it
     ('nn.functional.embedding', 'R'): NOT_EXAMINED,  # ours (0, 0)+(1, 180), torch (0, 0)+(0, 0)
     ('bmm', 'S0,S-1'): NOT_EXAMINED,  # ours (3, 1304)+(4, 3500), torch (3, 1300)+(4, 3500)
     ('bmm.triton_optimized', 'S0,S-1'): NOT_EXAMINED,  # ours (3, 4160)+(0, 0), torch (3, 3136)+(0, 0)
