@@ -237,6 +237,10 @@ def _wrap_one(o, placements, shape, mesh, fname: str, j: int, inputs):
                     return out
             # the ranks exchange their local shapes: the right global shape on every rank, or
             # the same error on every rank where the pieces form none
+            if mesh.ndim == 1 and mesh.get_coordinate() is not None:  # 8 bytes a rank, warm
+                from .gather_pieces import local_pieces_shape
+                return DTensor.from_local(o, mesh, placements, shape=local_pieces_shape(
+                    o, mesh, placements[0].dim, who=f"local_map: {fname}: {what}"))
             return DTensor.from_local(o, mesh, placements, shape=checked_global_shape(
                 o, mesh, placements, what=f"local_map: {what}"))
     if shape is None:

@@ -336,6 +336,38 @@ def test_sequence_parallel_uneven_local_pieces():
     torch.testing.assert_close(gather(local).to_local(), x)
 
 
+@distributed(world_size=2, timeout=60)
+def test_colwise_shard_input_carries_its_size_in_the_gather():
+    """ColwiseParallel(input_layouts=Shard(0)) on local batch pieces: the first call learns the
+    pieces' sizes (metadata exchange), later ones gather once with the size in an 8-byte header
+    -- exact on an uneven last batch, a batch larger than any before (a second, exact round),
+    and an empty piece; pieces that form no torch.chunk split, or a rank with another dtype,
+    raise the same ValueError on every rank (nothing sized by a piece crossed ranks)."""
+    mesh = init_device_mesh("cpu", (2,))
+    rank = mesh.get_rank()
+    lin = nn.Linear(5, 6)
+    model = parallelize_module(copy.deepcopy(lin), mesh, ColwiseParallel(input_layouts=Shard(0)))
+    # global batch rows, collectives of forward + backward (the first: the exchange, then the
+    # gather; 9 > the agreed pad of 4: headers, exchange, gather)
+    for batch, collectives in ((8, 3), (8, 2), (7, 2), (9, 4), (1, 2), (8, 2)):
+        x = torch.randn(batch, 5, generator=torch.Generator().manual_seed(batch))
+        local = _local_shard(x, mesh, 0).clone().requires_grad_()
+        with CommDebugMode() as comm:
+            out = model(local)
+            out.pow(2).sum().backward()
+        assert comm.get_total_counts() == collectives, (batch, comm.get_comm_counts())
+        whole = x.clone().requires_grad_()
+        ref = lin(whole)
+        torch.testing.assert_close(out, ref.chunk(2, 1)[rank])
+        ref.pow(2).sum().backward()  # each rank's columns add to the input's gradient
+        torch.testing.assert_close(local.grad, _local_shard(whole.grad, mesh, 0))
+    with pytest.raises(ValueError, match="do not form one global tensor"):
+        model(torch.randn((3, 1)[rank], 5))  # 3 + 1: no torch.chunk split
+    with pytest.raises(ValueError, match="different dtypes"):
+        model(torch.randn(4, 5, dtype=(torch.float32, torch.float64)[rank]))
+    torch.testing.assert_close(model(torch.ones(4, 5)), lin(torch.ones(8, 5)).chunk(2, 1)[rank])
+
+
 # ----------------------------------------------------------------------------- loss_parallel
 @distributed(world_size=2, timeout=60)
 def test_loss_parallel_cross_entropy_and_nll():

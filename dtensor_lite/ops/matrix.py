@@ -76,13 +76,45 @@ def _baddbmm(call):
     return _mm_strategies(1, bias=_dtensor_arg(call.args[0]))
 
 
+@register_rule(aten.addmv)
+def _addmv(call):
+    # self + mat @ vec: as mv's strategies (rows of mat sharded keep the output sharded, the
+    # contraction sharded gives partial sums), self laid out like the output (as addmm's bias);
+    # without a rule the fallback gathered all three inputs
+    return _vector_product_strategies(_dtensor_arg(call.args[0]), 1, [
+        (R, R, R), (Shard(0), Shard(0), R), (Partial("sum"), Shard(1), Shard(0))])
+
+
+@register_rule(aten.addr)
+def _addr(call):
+    # self + outer(vec1, vec2): each output dim follows its vector, no contraction
+    return _vector_product_strategies(_dtensor_arg(call.args[0]), 2, [
+        (R, R, R), (Shard(0), Shard(0), R), (Shard(1), R, Shard(0))])
+
+
+@register_rule(aten.linalg_cross)
+def _cross(call):
+    # pointwise over every dim but the one holding the 3-vectors (which must be whole)
+    from .kit import arg
+    from .pointwise import pointwise_strategies
+    dim = arg(call, "dim") % max(s.ndim for s in call.inputs)
+    return [s for s in pointwise_strategies(call) if not (s[0][0].is_shard() and
+                                                        s[0][0].dim == dim)]
+
+
+def _vector_product_strategies(bias, out_ndim, cases):
+    for op in LINEAR_REDUCE_OPS:  # a linear Partial in one factor stays Partial
+        cases = cases + [(Partial(op), Partial(op), R), (Partial(op), R, Partial(op))]
+    return [((out,), (_bias_placement(bias, out, out_ndim), a, b)) for out, a, b in cases]
+
+
 def _dtensor_arg(a):
     if not isinstance(a, DTensorSpec):
         raise TypeError("the bias of addmm/baddbmm must be a DTensor when its matrices are")
     return a
 
 
-@register_rule(aten.dot)
+@register_rule(aten.dot, aten.vdot)
 def _dot(call):
     # a 1-D contraction: sharded halves give partial sums
     return [((R,), (R, R)), ((Partial("sum"),), (Shard(0), Shard(0)))]
