@@ -16,17 +16,20 @@ idle fraction (the bubble) beside the schedule's analytical one.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn as nn
 
 from dtensor_lite import DTensor
 from dtensor_lite.pipelining import PipelineScheduleSingle, PipelineStage, get_schedule_class
 from examples.llama import Llama, loss_fn
+from examples.llama_parallel import apply_activation_checkpointing
 from examples.llama_pipeline import stage_modules, stage_tp_plan
 from fsdp import MixedPrecisionPolicy, fully_shard
 from tp import loss_parallel, parallelize_module
 
-__all__ = ["PP_SCHEDULES", "LocalStages", "build_pipelined"]
+__all__ = ["PP_SCHEDULES", "LocalStages", "build_pipelined", "reshard_kwargs"]
 
 # --pp-schedule: (torch's schedule name, stages per pp rank)
 PP_SCHEDULES = {"gpipe": ("GPipe", 1), "1f1b": ("1F1B", 1),
@@ -48,10 +51,18 @@ class LocalStages(nn.Module):
             self.layers.update(stage.layers)
 
 
+def reshard_kwargs(cfg) -> dict:
+    """``fully_shard``'s ``reshard_after_forward`` for the blocks, when the config sets it."""
+    return {} if cfg.reshard_after_forward is None else {
+        "reshard_after_forward": cfg.reshard_after_forward}
+
+
 def build_pipelined(cfg, mesh, sizes: dict[str, int], dp_names: tuple[str, ...]):
     """``(model, opt, step_fn, schedule)``: ``model`` a :class:`LocalStages`; ``step_fn(inputs,
     targets)`` runs one pipelined AdamW step on this rank's data-parallel rows and returns
     ``pp x`` this rank's loss on the last stage, 0 elsewhere (so the world's average is the loss)."""
+    if cfg.pp_schedule not in PP_SCHEDULES:
+        raise SystemExit(f"--pp-schedule {cfg.pp_schedule!r}: use one of {', '.join(PP_SCHEDULES)}")
     name, per_rank = PP_SCHEDULES[cfg.pp_schedule]
     pp = sizes["pp"]
     num_stages = pp * per_rank
@@ -59,15 +70,15 @@ def build_pipelined(cfg, mesh, sizes: dict[str, int], dp_names: tuple[str, ...])
         raise SystemExit(f"--pp-schedule {cfg.pp_schedule} on pp={pp} makes {num_stages} stages "
                          f"but the model has {cfg.model.n_layers} layers; pass --layers "
                          f"{num_stages} (or more)")
-    if cfg.ac != "none" or cfg.compile:
-        raise SystemExit("--ac / --compile are not wired into the pp branch yet")
     torch.manual_seed(cfg.seed)
     model = Llama(cfg.model)
     if mesh.device_type == "cuda":
         model = model.cuda()
     rank = mesh["pp"].get_local_rank()
     ids = [rank + k * pp for k in range(per_rank)]
-    mods = stage_modules(model, num_stages, ids)
+    dry = mesh.device_type == "meta"   # the dry run (dtensor_lite.plan): see input_args below
+    built = list(range(num_stages if dry else 0))
+    mods = stage_modules(model, num_stages, ids + [s for s in built if s not in ids])
     lp = "tp" in sizes and cfg.loss_parallel
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) \
         if cfg.param_dtype == "bf16" else MixedPrecisionPolicy()
@@ -75,12 +86,29 @@ def build_pipelined(cfg, mesh, sizes: dict[str, int], dp_names: tuple[str, ...])
         if "tp" in sizes:
             parallelize_module(mod, mesh["tp"], stage_tp_plan(
                 mod, sequence_parallel=cfg.sequence_parallel, loss_parallel=lp))
+        apply_activation_checkpointing(mod, cfg.ac)
         if dp_names:
             for layer in mod.layers.values():
-                fully_shard(layer, mesh=mesh[dp_names], mp_policy=mp)
+                fully_shard(layer, mesh=mesh[dp_names], mp_policy=mp,
+                            **reshard_kwargs(cfg))
+                if cfg.compile:   # as train_llama.build: in place, after fully_shard
+                    layer.compile(backend=cfg.compile, dynamic=False)
             fully_shard(mod, mesh=mesh[dp_names], mp_policy=mp)
     device = torch.device(mesh.device_type)
-    stages = [PipelineStage(mod, s, num_stages, device, group=mesh["pp"])
+    inputs = {}
+    if dry:
+        # no neighbour sends shapes in a dry run: every stage's input for one micro-batch is
+        # the previous stages' output, found by running them (on meta) once
+        order = {s: mod for s, mod in zip(ids + [s for s in built if s not in ids], mods)}
+        rows = cfg.batch // math.prod(sizes[n] for n in dp_names) // cfg.microbatches
+        h = torch.zeros(rows, cfg.seq, dtype=torch.long, device=device)
+        with torch.no_grad():
+            for s in range(max(ids)):
+                h = order[s](h)
+                inputs[s + 1] = h
+        mods = mods[:len(ids)]
+    stages = [PipelineStage(mod, s, num_stages, device, group=mesh["pp"],
+                            input_args=inputs.get(s))
               for s, mod in zip(ids, mods)]
 
     def stage_loss(logits, targets):

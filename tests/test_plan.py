@@ -168,8 +168,8 @@ def test_bad_inputs_raise_clearly():
 
 def test_cli_json(capsys):
     from dtensor_lite.plan.__main__ import main
-    main(["--model", "example", "--mesh", "dp_shard=2,tp=2", "--batch", "4", "--seq", "16",
-          "--json"])
+    main(["--setup", "examples.train_llama:plan_setup", "--model", "example", "--mesh",
+          "dp_shard=2,tp=2", "--batch", "4", "--seq", "16", "--json"])
     import json
     out = json.loads(capsys.readouterr().out)
     assert out["world_size"] == 4 and set(out["bytes"]) == set(CATEGORIES)

@@ -75,7 +75,7 @@ class _PipelineSchedule:
         self._num_stages, self._p, self._v = num_stages, p, v
         self._pp_mesh = first.pp_mesh
         self._rank = first.group_rank
-        orders = self._build_orders(p, v, n_microbatches)
+        orders = self.orders(p, v, n_microbatches)
         self.pipeline_order: dict[int, list[Action]] = dict(enumerate(orders))
         self._order = orders[self._rank]
         # the last action of each local stage that produces parameter gradients
@@ -86,7 +86,10 @@ class _PipelineSchedule:
         self._agreed = False
         self.last_step_timing: dict | None = None
 
-    def _build_orders(self, p, v, m):
+    @classmethod
+    def orders(cls, p: int, v: int, m: int) -> list[list[Action]]:
+        """Every pp rank's actions for ``p`` ranks, ``v`` stages per rank, ``m`` micro-batches
+        (what ``pipeline_order`` holds; the dry run plays it for each schedule)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ beyond torch
@@ -142,7 +145,7 @@ class _PipelineSchedule:
         self._agreed = True
 
     def _step(self, args, kwargs, target, losses, return_outputs, has_backward, is_step):
-        if not self._agreed:
+        if not self._agreed and not self._stages[0].dry:   # a dry run has no data to agree on
             self._agree(is_step)
         m = self._n_microbatches
         first = self._stages[0].is_first
@@ -268,7 +271,8 @@ class ScheduleGPipe(PipelineScheduleSingle):
     """All micro-batches' forwards, then all backwards. Bubble (p-1)/(m+p-1); holds the
     activations of all m micro-batches."""
 
-    def _build_orders(self, p, v, m):
+    @classmethod
+    def orders(cls, p, v, m):
         return _orders.gpipe(p, v, m)
 
 
@@ -276,7 +280,8 @@ class Schedule1F1B(PipelineScheduleSingle):
     """One forward, one backward: GPipe's bubble with at most p micro-batches in flight."""
     _needs_full_pipe = True
 
-    def _build_orders(self, p, v, m):
+    @classmethod
+    def orders(cls, p, v, m):
         return _orders.greedy(p, v, m, split_backward=False)
 
 
@@ -284,7 +289,8 @@ class ScheduleLoopedBFS(PipelineScheduleMulti):
     """Several stages per rank, breadth first: every micro-batch through one local stage, then
     the next."""
 
-    def _build_orders(self, p, v, m):
+    @classmethod
+    def orders(cls, p, v, m):
         return _orders.looped_bfs(p, v, m)
 
 
@@ -293,7 +299,8 @@ class ScheduleInterleaved1F1B(PipelineScheduleMulti):
     (p-1)/(v*m+p-1)."""
     _needs_full_pipe = True
 
-    def _build_orders(self, p, v, m):
+    @classmethod
+    def orders(cls, p, v, m):
         return _orders.greedy(p, v, m, split_backward=False)
 
 
@@ -303,13 +310,20 @@ class ScheduleInterleavedZeroBubble(PipelineScheduleMulti):
     _needs_full_pipe = True
     _split_backward = True
 
-    def _build_orders(self, p, v, m):
+    @classmethod
+    def orders(cls, p, v, m):
         return _orders.greedy(p, v, m, split_backward=True)
 
 
 _BY_NAME = {c.__name__.lower().removeprefix("schedule"): c for c in
             (ScheduleGPipe, Schedule1F1B, ScheduleLoopedBFS, ScheduleInterleaved1F1B,
              ScheduleInterleavedZeroBubble)}
+
+
+def schedules_with(stages_per_rank: int) -> list[type]:
+    """The schedule classes that run ``stages_per_rank`` stages per pp rank."""
+    return [c for c in _BY_NAME.values()
+            if (stages_per_rank == 1) == issubclass(c, PipelineScheduleSingle)]
 
 
 def get_schedule_class(schedule_name: str):

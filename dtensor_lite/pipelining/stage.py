@@ -17,6 +17,8 @@ parameters held through the step. ``reshard_after_forward=True`` given explicitl
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -147,7 +149,13 @@ class PipelineStage:
         metas = [None if t is None else meta_of(t, self.pp_mesh, f"stage {self.stage_index}'s "
                                                 f"{what} {i}") for i, t in enumerate(tensors)]
         pending = []
-        if agreed is None:
+        if agreed is None and self.dry:
+            agreed = metas    # a dry run: nobody receives the shapes (see ``dry``)
+            if kind == ACTIVATION:
+                self.out_meta = metas
+            else:
+                self.grad_out_meta = metas
+        elif agreed is None:
             if kind == ACTIVATION and self._declared_out is not None:
                 self._check(metas, self._declared_out, "its output_args")
             pending += send_object(metas, self.pp_mesh, dst,
@@ -186,7 +194,9 @@ class PipelineStage:
         if src == self.group_rank:
             return mailbox.pop((kind, self.stage_index, mb))
         agreed = self.in_meta if kind == ACTIVATION else self.grad_in_meta
-        if agreed is None:
+        if agreed is None and self.dry:
+            agreed = self._dry_meta(kind, from_stage)
+        elif agreed is None:
             agreed = recv_object(self.pp_mesh, src, self._tag(META_SIZE, from_stage, 0, kind),
                                  self._tag(META_BYTES, from_stage, 0, kind), self.device)
             if kind == ACTIVATION:
@@ -206,6 +216,25 @@ class PipelineStage:
             out.append(_leaf(rebuild(piece, meta, self.pp_mesh),
                              kind == ACTIVATION and meta.requires_grad))
         return out
+
+    @property
+    def dry(self) -> bool:
+        """On a ``"meta"`` mesh (``dtensor_lite.plan``'s dry run over a fake world) no message
+        carries data, so the shapes are not received: an activation is what ``input_args``
+        declares, a gradient is shaped like this stage's own output."""
+        return self.pp_mesh.device_type == "meta"
+
+    def _dry_meta(self, kind, from_stage):
+        if kind == ACTIVATION:
+            if self._declared_in is None:
+                raise ValueError(f"pipelining: the dry run (a meta mesh) needs stage "
+                                 f"{self.stage_index}'s input_args: what stage {from_stage} "
+                                 "sends it for one micro-batch (e.g. a meta tensor)")
+            self.in_meta = self._declared_in
+        else:
+            self.grad_in_meta = [None if m is None else dataclasses.replace(m, requires_grad=False)
+                                 for m in self.out_meta]
+        return self.in_meta if kind == ACTIVATION else self.grad_in_meta
 
     def _check_declared(self, received, from_stage):
         try:
