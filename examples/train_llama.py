@@ -565,6 +565,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="pipeline schedule with a pp mesh dim (default %(default)s)")
     ap.add_argument("--microbatches", type=int, default=d.microbatches,
                     help="micro-batches per step with a pp mesh dim (default %(default)s)")
+    ap.add_argument("--reshard-after-forward", choices=(True, False), default=None,
+                    type=lambda v: {"true": True, "false": False}.get(v.lower(), v),
+                    help="fully_shard's reshard_after_forward for the blocks (default: "
+                         "fully_shard's; under a pp schedule that keeps them gathered through "
+                         "the step, docs/pipelining.md)")
     ap.add_argument("--layers", type=int, default=None,
                     help=f"transformer blocks (default {d.model.n_layers}; a pp schedule needs "
                          "one per stage at least)")

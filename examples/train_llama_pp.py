@@ -105,7 +105,8 @@ def build_pipelined(cfg, mesh, sizes: dict[str, int], dp_names: tuple[str, ...])
         with torch.no_grad():
             for s in range(max(ids)):
                 h = order[s](h)
-                inputs[s + 1] = h
+                # as the previous stage sends it: its output, which needs a gradient
+                inputs[s + 1] = h.detach().requires_grad_(h.is_floating_point())
         mods = mods[:len(ids)]
     stages = [PipelineStage(mod, s, num_stages, device, group=mesh["pp"],
                             input_args=inputs.get(s))
