@@ -7,7 +7,8 @@ the other dims (``mesh["tp"]``, ``mesh["dp_shard"]``), exactly as without pp. A 
 
 * ``gpipe``, ``1f1b``: one stage per pp rank;
 * ``interleaved`` (interleaved 1F1B), ``zero-bubble`` (interleaved, backward split into input
-  and weight halves), ``looped-bfs``: two stages per pp rank.
+  and weight halves), ``looped-bfs``, ``zbv`` (zero bubble on a V: pp rank r holds stages r and
+  2 pp - 1 - r): two stages per pp rank.
 
 The rank's stages are held by one module, :class:`LocalStages`, under the whole model's parameter
 names; so the optimizer, ``get_state_dict`` and DCP checkpoints see the model as usual and a
@@ -34,7 +35,7 @@ __all__ = ["PP_SCHEDULES", "LocalStages", "build_pipelined", "reshard_kwargs"]
 # --pp-schedule: (torch's schedule name, stages per pp rank)
 PP_SCHEDULES = {"gpipe": ("GPipe", 1), "1f1b": ("1F1B", 1),
                 "interleaved": ("Interleaved1F1B", 2), "zero-bubble": ("InterleavedZeroBubble", 2),
-                "looped-bfs": ("LoopedBFS", 2)}
+                "looped-bfs": ("LoopedBFS", 2), "zbv": ("ZBVZeroBubble", 2)}
 
 
 class LocalStages(nn.Module):
@@ -75,7 +76,8 @@ def build_pipelined(cfg, mesh, sizes: dict[str, int], dp_names: tuple[str, ...])
     if mesh.device_type == "cuda":
         model = model.cuda()
     rank = mesh["pp"].get_local_rank()
-    ids = [rank + k * pp for k in range(per_rank)]
+    cls = get_schedule_class(name)
+    ids = cls.stages_of(rank, pp, per_rank)
     dry = mesh.device_type == "meta"   # the dry run (dtensor_lite.plan): see input_args below
     built = list(range(num_stages if dry else 0))
     mods = stage_modules(model, num_stages, ids + [s for s in built if s not in ids])
@@ -118,7 +120,6 @@ def build_pipelined(cfg, mesh, sizes: dict[str, int], dp_names: tuple[str, ...])
                 return loss_fn(logits, targets)
         return loss_fn(logits, targets)
 
-    cls = get_schedule_class(name)
     single = issubclass(cls, PipelineScheduleSingle)
     schedule = cls(stages[0] if single else stages, cfg.microbatches, loss_fn=stage_loss)
     holder = LocalStages(mods)

@@ -1,7 +1,7 @@
 """Pipeline parallelism (dtensor_lite.pipelining) trains exactly like one process.
 
 Every rank trains its stages of a tiny Llama (examples/llama_pipeline.py) under a schedule and,
-beside it, the whole model on the whole batch in plain torch (the oracle), 3 AdamW steps (the
+beside it, the whole model on the whole batch in plain torch (the oracle), 5 AdamW steps (the
 example's tests below run 6 and 9). fp32 throughout: the
 pipeline sums the micro-batches' gradients and divides by their count where one process averages
 over the batch once (and TP splits the matmuls' sums), a few ulps per step. Losses agree to 1e-5
@@ -50,7 +50,8 @@ def build(schedule, pp, v, m, dp=1, tp=1, layers=None, sp=False, reshard=None):
     oracle = Llama(cfg)
     model = copy.deepcopy(oracle)
     rank = mesh["pp"].get_local_rank()
-    ids = [rank + k * pp for k in range(v)]
+    cls = get_schedule_class(schedule)
+    ids = cls.stages_of(rank, pp, v)
     mods = stage_modules(model, num_stages, ids, layers)
     for mod in mods:
         if tp > 1:
@@ -62,7 +63,6 @@ def build(schedule, pp, v, m, dp=1, tp=1, layers=None, sp=False, reshard=None):
             fully_shard(mod, mesh=mesh["dp_shard"], **kw)
     stages = [PipelineStage(mod, s, num_stages, "cpu", group=mesh["pp"])
               for s, mod in zip(ids, mods)]
-    cls = get_schedule_class(schedule)
     single = issubclass(cls, PipelineScheduleSingle)
     sched = cls(stages[0] if single else stages, m, loss_fn=_loss)
     return mesh, sched, mods, oracle
@@ -78,7 +78,7 @@ def _full(t):
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def parity(schedule, pp, v, m, dp=1, tp=1, layers=None, sp=False, steps=3, optim="adamw"):
+def parity(schedule, pp, v, m, dp=1, tp=1, layers=None, sp=False, steps=5, optim="adamw"):
     mesh, sched, mods, oracle = build(schedule, pp, v, m, dp, tp, layers, sp)
     params = [p for mod in mods for p in mod.parameters()]
     make = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[optim]
@@ -102,7 +102,9 @@ def parity(schedule, pp, v, m, dp=1, tp=1, layers=None, sp=False, steps=3, optim
             rel = abs(loss.item() - ref_loss.item()) / abs(ref_loss.item())
             assert rel <= 1e-5, (step, loss.item(), ref_loss.item())
             worst = max(worst, rel)
-        for mod in mods:
+        # every gradient at the first and the last step (the losses of the steps between
+        # follow from the gradients before them: AdamW, lr 1e-2)
+        for mod in mods if step in (0, steps - 1) else ():
             for name, p in mod.named_parameters():
                 ref = ref_params[name].grad
                 torch.testing.assert_close(_full(p.grad), ref, rtol=1e-4, atol=1e-6,
@@ -115,8 +117,9 @@ def parity(schedule, pp, v, m, dp=1, tp=1, layers=None, sp=False, steps=3, optim
     return worst
 
 
-SCHEDULES = ["gpipe", "1f1b", "loopedbfs", "interleaved1f1b", "interleavedzerobubble"]
-MULTI = {"loopedbfs", "interleaved1f1b", "interleavedzerobubble"}
+SCHEDULES = ["gpipe", "1f1b", "loopedbfs", "interleaved1f1b", "interleavedzerobubble",
+             "zbvzerobubble"]
+MULTI = {"loopedbfs", "interleaved1f1b", "interleavedzerobubble", "zbvzerobubble"}
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

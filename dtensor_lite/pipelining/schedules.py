@@ -28,13 +28,14 @@ from .stage import PipelineStage
 
 __all__ = ["PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B",
            "ScheduleLoopedBFS", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble",
-           "get_schedule_class"]
+           "ScheduleZBVZeroBubble", "get_schedule_class", "schedules_with"]
 
 
 class _PipelineSchedule:
     _one_stage_per_rank = False   # GPipe, 1F1B
     _needs_full_pipe = False      # the 1F1B family: at least one micro-batch per pp rank
     _split_backward = False       # zero bubble: backward as I then W
+    _shape = "loop"               # which rank holds which stage (_orders.local_stages)
 
     def __init__(self, stages: list[PipelineStage], n_microbatches: int,
                  loss_fn: Callable | None = None, args_chunk_spec=None, kwargs_chunk_spec=None,
@@ -55,12 +56,20 @@ class _PipelineSchedule:
         if self._one_stage_per_rank and v != 1:
             raise ValueError(f"{name} runs one stage per pp rank, but {num_stages} stages over "
                              f"{p} pp ranks make {v} per rank; use ScheduleInterleaved1F1B, "
-                             "ScheduleLoopedBFS or ScheduleInterleavedZeroBubble")
+                             "ScheduleLoopedBFS, ScheduleInterleavedZeroBubble or "
+                             "ScheduleZBVZeroBubble")
+        if self._shape == "v" and v != 2:
+            raise ValueError(f"{name} runs two stages per pp rank (V shape), but {num_stages} "
+                             f"stages over {p} pp ranks make {v} per rank; use {2 * p} stages")
         mine = sorted(s.stage_index for s in stages)
-        expected = _orders.local_stages(first.group_rank, p, v)
+        expected = sorted(_orders.local_stages(first.group_rank, p, v, self._shape))
         if mine != expected:
+            where = (f"V shape: stages r and {2 * p - 1} - r on rank r" if self._shape == "v"
+                     else f"stage s on rank s % {p}")
             raise ValueError(f"{name}: pp rank {first.group_rank} must hold stages {expected} "
-                             f"(stage s on rank s % {p}), got {mine}")
+                             f"({where}), got {mine}")
+        for s in stages:
+            s.shape = self._shape
         if self._needs_full_pipe and n_microbatches < p:
             raise ValueError(f"{name}: {n_microbatches} micro-batches are fewer than the {p} pp "
                              f"ranks; this schedule needs n_microbatches >= {p} (or use "
@@ -93,10 +102,16 @@ class _PipelineSchedule:
         raise NotImplementedError
 
     # ------------------------------------------------------------------ beyond torch
+    @classmethod
+    def stages_of(cls, pp_rank: int, pp_size: int, stages_per_rank: int = 1) -> list[int]:
+        """The stage indices pp rank ``pp_rank`` must build for this schedule: looped
+        (``r, r + p, ...``), or ``[r, 2p - 1 - r]`` for ``ScheduleZBVZeroBubble``."""
+        return _orders.local_stages(pp_rank, pp_size, stages_per_rank, cls._shape)
+
     def comm_counts(self) -> dict[str, int]:
         """Messages this rank sends and receives per step, per tensor crossing a boundary."""
         return _orders.comm_counts(list(self.pipeline_order.values()), self._rank,
-                                   self._num_stages)
+                                   self._num_stages, self._shape)
 
     def analytical_bubble(self) -> dict:
         """The schedule played in unit time (F = 1, B = 2, I = W = 1, free communication):
@@ -315,9 +330,26 @@ class ScheduleInterleavedZeroBubble(PipelineScheduleMulti):
         return _orders.greedy(p, v, m, split_backward=True)
 
 
+class ScheduleZBVZeroBubble(PipelineScheduleMulti):
+    """Zero bubble on a V: two stages per pp rank, ``r`` and ``2p - 1 - r`` (the micro-batch
+    goes down the ranks and back up; the last stage and the loss sit on rank 0, and rank
+    ``p - 1`` passes stage ``p - 1``'s output to stage ``p`` locally), each backward split
+    into ``I`` and ``W`` as in interleaved zero bubble. Holds up to ``2p`` half-stage
+    activations per rank (1F1B's memory on rank 0, and the same on every rank)."""
+    _needs_full_pipe = True
+    _split_backward = True
+    _shape = "v"
+
+    @classmethod
+    def orders(cls, p, v, m):
+        if v != 2:
+            raise ValueError(f"ScheduleZBVZeroBubble runs 2 stages per pp rank, not {v}")
+        return _orders.greedy(p, v, m, split_backward=True, shape="v")
+
+
 _BY_NAME = {c.__name__.lower().removeprefix("schedule"): c for c in
             (ScheduleGPipe, Schedule1F1B, ScheduleLoopedBFS, ScheduleInterleaved1F1B,
-             ScheduleInterleavedZeroBubble)}
+             ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)}
 
 
 def schedules_with(stages_per_rank: int) -> list[type]:
@@ -328,7 +360,7 @@ def schedules_with(stages_per_rank: int) -> list[type]:
 
 def get_schedule_class(schedule_name: str):
     """The schedule class of a name, case-insensitive (``"1F1B"``, ``"GPipe"``,
-    ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"``)."""
+    ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"``)."""
     cls = _BY_NAME.get(schedule_name.lower().removeprefix("schedule"))
     if cls is None:
         raise ValueError(f"unknown pipeline schedule '{schedule_name}'; known: "

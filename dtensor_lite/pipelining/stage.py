@@ -26,6 +26,7 @@ import torch.nn as nn
 from .. import collectives
 from ..device_mesh import DeviceMesh
 from ._backward import SplitBackward
+from ._orders import stage_rank
 from ._transfer import (ACTIVATION, META_BYTES, META_SIZE, TensorMeta, local_piece,
                         message_tag, meta_of, rebuild, recv_object, send_object)
 
@@ -99,10 +100,15 @@ class PipelineStage:
         if num_stages % self.group_size:
             raise ValueError(f"PipelineStage: {num_stages} stages do not divide over the "
                              f"{self.group_size} pp ranks; use a multiple of {self.group_size}")
-        if stage_index % self.group_size != self.group_rank:
+        p, r = self.group_size, self.group_rank
+        v_shaped = num_stages == 2 * p and stage_rank(stage_index, p, "v") == r
+        if stage_index % p != r and not v_shaped:
             raise ValueError(f"PipelineStage: stage {stage_index} belongs on pp rank "
-                             f"{stage_index % self.group_size} (stage s on rank s % "
-                             f"{self.group_size}), not on pp rank {self.group_rank}")
+                             f"{stage_index % p} (stage s on rank s % {p}; or, for "
+                             f"ScheduleZBVZeroBubble's V shape, on rank "
+                             f"{stage_rank(stage_index, p, 'v')}), not on pp rank {r}")
+        # which rank holds which stage: "loop" (s % p) or "v"; the schedule sets it
+        self.shape = "loop" if stage_index % p == r else "v"
         self._declared_in = self._declare(input_args, "input_args")
         self._declared_out = self._declare(output_args, "output_args")
         # agreed at the first step: what this stage receives / sends, and their gradients
@@ -127,7 +133,7 @@ class PipelineStage:
         return self.stage_index == self.num_stages - 1
 
     def rank_of(self, stage: int) -> int:
-        return stage % self.group_size
+        return stage_rank(stage, self.group_size, self.shape)
 
     def __repr__(self):
         return (f"PipelineStage({self.stage_index}/{self.num_stages}, pp rank "

@@ -92,6 +92,8 @@ def pipeline_section(schedule, added: dict[int, list[int]]) -> dict:
                 st.grad_out_meta)
     rows = []
     for cls in schedules_with(v):
+        if cls._shape != schedule._shape:
+            continue   # another placement: other stages on this rank
         if cls._needs_full_pipe and m < p:
             continue   # the 1F1B family needs a micro-batch per pp rank
         orders = cls.orders(p, v, m)
