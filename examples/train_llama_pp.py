@@ -120,6 +120,10 @@ def build_pipelined(cfg, mesh, sizes: dict[str, int], dp_names: tuple[str, ...])
                 return loss_fn(logits, targets)
         return loss_fn(logits, targets)
 
+    if cfg.ac == "selective" and cls._split_backward:
+        raise SystemExit(f"--ac selective with --pp-schedule {cfg.pp_schedule}: the zero-bubble "
+                         "schedules run each backward in two passes, which selective "
+                         "checkpointing refuses; use --ac full (or a 1F1B schedule)")
     single = issubclass(cls, PipelineScheduleSingle)
     schedule = cls(stages[0] if single else stages, cfg.microbatches, loss_fn=stage_loss)
     holder = LocalStages(mods)

@@ -184,7 +184,7 @@ class _PipelineSchedule:
         pending: list = []
         outputs: dict[int, object] = {}
         mb_losses: dict[int, torch.Tensor] = {}
-        busy = 0.0
+        busy = waited = 0.0   # in this rank's compute; blocked in receives and the last sends
         start = time.perf_counter()
         for a in self._order:
             if not has_backward and a.kind != "F":
@@ -199,6 +199,7 @@ class _PipelineSchedule:
                     mb_args, mb_kwargs = arg_mbs[a.mb], kwarg_mbs[a.mb]
                 else:
                     mb_args, mb_kwargs = tuple(st._recv(ACTIVATION, a.stage - 1, a.mb, mailbox)), {}
+                    waited += time.perf_counter() - t0
                 t0 = time.perf_counter()
                 output, outs = st.forward_one(a.mb, mb_args, mb_kwargs, has_backward)
                 if st.is_last:
@@ -221,20 +222,26 @@ class _PipelineSchedule:
                 busy += time.perf_counter() - t0
                 continue
             grads = None if st.is_last else st._recv(GRADIENT, a.stage + 1, a.mb, mailbox)
+            waited += time.perf_counter() - t0
             t0 = time.perf_counter()
             in_grads = st.backward_one(a.mb, grads, split=a.kind == "I")
             busy += time.perf_counter() - t0
             if not st.is_first:
                 pending += st._send(GRADIENT, in_grads, a.stage - 1, a.mb, mailbox)
+        t0 = time.perf_counter()
         for work in pending:
             work.wait()
+        waited += time.perf_counter() - t0
         if has_backward and self.scale_grads:
             for s in self._stages:
                 s.scale_grads(m)
         total = time.perf_counter() - start
         # compute time of this rank's actions vs the step's wall time (measured bubble)
-        self.last_step_timing = {"busy_s": busy, "step_s": total,
-                                 "idle": 1 - busy / total if total > 0 else 0.0}
+        # "idle": everything but compute (waits, sends, Python); "waiting": only the time
+        # blocked for a neighbour -- the bubble itself, by this rank's own clock
+        self.last_step_timing = {"busy_s": busy, "wait_s": waited, "step_s": total,
+                                 "idle": 1 - busy / total if total > 0 else 0.0,
+                                 "waiting": waited / total if total > 0 else 0.0}
         if last_stage is None:
             return None
         if losses is not None and mb_losses:

@@ -17,6 +17,7 @@ parameters held through the step. ``reshard_after_forward=True`` given explicitl
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import torch
@@ -278,7 +279,8 @@ class PipelineStage:
         inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
         if split:
             sb = SplitBackward([o for o, _ in pairs], [g for _, g in pairs], inputs)
-            grads = iter(sb.input_grads())
+            with self._one_backward_only():
+                grads = iter(sb.input_grads())
             self._split[mb] = sb
             return [next(grads) if isinstance(a, torch.Tensor) and a.requires_grad else None
                     for a in args] if inputs else [None] * len(args)
@@ -287,7 +289,24 @@ class PipelineStage:
         return [a.grad if isinstance(a, torch.Tensor) and a.requires_grad else None for a in args]
 
     def backward_weight_one(self, mb: int):
-        self._split.pop(mb).weight_grads()
+        with self._one_backward_only():
+            self._split.pop(mb).weight_grads()
+
+    @contextlib.contextmanager
+    def _one_backward_only(self):
+        """torch's selective checkpointing refuses a second backward through a region, which
+        the split backward is: say so in the schedule's terms."""
+        try:
+            yield
+        except RuntimeError as e:
+            if "selective activation checkpoint" not in str(e):
+                raise
+            raise RuntimeError(
+                f"pipelining: stage {self.stage_index}'s backward runs in two passes under a "
+                "zero-bubble schedule (input gradients, then weight gradients), and selective "
+                "activation checkpointing allows one backward per region; use full "
+                "checkpointing (or none) with this schedule, or a schedule without the split "
+                "(1F1B, interleaved 1F1B)") from e
 
     # ------------------------------------------------------------------ fsdp and scaling
     def _fsdp_modules(self) -> list:
