@@ -10,7 +10,10 @@ receives, and for its last sends) over the step's wall time, by its own clock
 (``schedule.last_step_timing["waiting"]``), the median over the timed steps -- not "1 - compute /
 step", which on a loaded machine counts every descheduling as bubble. Beside it: the schedule
 played in unit time (F = 1, B = 2, I = W = 1, free communication), and ``(p-1)/(m+p-1)``
-(GPipe / 1F1B's formula; the interleaved ones divide the fill by the stages per rank). Prints a
+(GPipe / 1F1B's formula; the interleaved ones divide the fill by the stages per rank). And a
+load-proof figure: the order *replayed* with every action's measured CPU time (thread time, which
+descheduling does not inflate) and free communication: the bubble the schedule leaves with the
+real costs (B is not exactly 2 F, the last stage adds the loss). Prints a
 table and writes JSON (``--json FILE``). On a machine with fewer cores than processes the waits
 also hold the neighbours' descheduling: compare schedules within one run.
 """
@@ -53,15 +56,20 @@ def run(name, per_rank, args, mesh):
     sched = cls(stages[0] if issubclass(cls, PipelineScheduleSingle) else stages,
                 args.microbatches, loss_fn=lambda y, t: (y - t).pow(2).mean())
     x = torch.randn(args.microbatches * args.rows, args.dim)
-    waiting, busy = [], []
+    waiting, busy, replayed = [], [], []
     for step in range(args.steps + 1):
         dist.barrier()   # every schedule's step starts together
         sched.step(x, target=x)
         if step:
-            waiting.append(sched.last_step_timing["waiting"])
-            busy.append(1 - sched.last_step_timing["idle"])
+            timing = sched.last_step_timing
+            waiting.append(timing["waiting"])
+            busy.append(1 - timing["idle"])
+            every = [None] * dist.get_world_size()
+            dist.all_gather_object(every, timing["actions"])
+            costs = {a: c for rank_costs in every for a, c in rank_costs.items()}
+            replayed.append(sched.replayed_bubble(costs)["idle"][rank])
     return {"schedule": name, "pp_rank": rank, "measured": statistics.median(waiting),
-            "compute": statistics.median(busy),
+            "compute": statistics.median(busy), "replayed": statistics.median(replayed),
             "analytical": sched.analytical_bubble()["idle"][rank]}
 
 
@@ -87,20 +95,22 @@ def main():
         print(f"pp={mesh.size()}, {args.microbatches} micro-batches, {args.layers} layers of "
               f"{args.dim} per rank, {args.rows} rows per micro-batch")
         p, m = mesh.size(), args.microbatches
-        print(f"{'schedule':22} {'waiting per pp rank':26} {'mean':>6} {'played':>7} "
-              f"{'formula':>8} {'compute':>8}")
+        print(f"{'schedule':22} {'waiting per pp rank':26} {'mean':>6} {'replayed':>9} "
+              f"{'played':>7} {'formula':>8} {'compute':>8}")
         for name, per_rank in SCHEDULES:
             rs = [r for r in rows if r["schedule"] == name]
             per = " ".join(f"{100 * r['measured']:4.0f}%" for r in rs)
             mean = statistics.mean(r["measured"] for r in rs)
+            rep = statistics.mean(r["replayed"] for r in rs)
             ana = statistics.mean(r["analytical"] for r in rs)
             formula = (p - 1) / (per_rank * m + p - 1)
             busy = statistics.mean(r["compute"] for r in rs)
-            print(f"{name:22} {per:26} {100 * mean:5.1f}% {100 * ana:6.1f}% "
+            print(f"{name:22} {per:26} {100 * mean:5.1f}% {100 * rep:8.1f}% {100 * ana:6.1f}% "
                   f"{100 * formula:7.1f}% {100 * busy:7.0f}%")
-        print("waiting: time blocked for a neighbour / step (median of the timed steps); "
-              "played: the order in unit time; formula: (p-1)/(v m + p-1); compute: share of "
-              "the step in forward/backward")
+        print("waiting: wall time blocked for a neighbour / step (median of the timed steps); "
+              "replayed: the order played with every action's measured CPU time (free "
+              "communication); played: in unit time (F = I = W = 1, B = 2); formula: "
+              "(p-1)/(v m + p-1); compute: share of the step's wall time in forward/backward")
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1))
     dist.destroy_process_group()

@@ -333,8 +333,8 @@ def _train_example(cfg):
 
 
 @pytest.mark.parametrize("world,mesh,schedule,ac", [
-    (4, "pp=2,dp_shard=2", "1f1b", "selective"), (4, "pp=2,tp=2", "interleaved", "none"),
-    (8, "pp=2,dp_shard=2,tp=2", "zero-bubble", "full")])
+    (4, "pp=2,dp_shard=2", "zero-bubble", "full"), (4, "pp=2,tp=2", "interleaved", "selective"),
+    (8, "pp=2,dp_shard=2,tp=2", "zbv", "none")])
 def test_train_llama_pp_matches_one_process(world, mesh, schedule, ac):
     """examples/train_llama.py with a pp dim (tp with sequence and loss parallelism; --ac
     checkpointing each block, under zero bubble's split backward too) trains to the losses of

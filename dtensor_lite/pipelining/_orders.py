@@ -151,9 +151,11 @@ def _pick(ready: list[Action], back: str, may_forward: bool, w_overdue: bool, la
     return forward or backward or weight if last != "F" else backward or forward or weight
 
 
-def simulate(orders: list[list[Action]], num_stages: int) -> dict:
-    """Play ``orders`` (unit costs, free communication): the makespan, each rank's busy time and
-    idle fraction. Raises ``RuntimeError`` if the orders deadlock."""
+def simulate(orders: list[list[Action]], num_stages: int, cost: dict | None = None) -> dict:
+    """Play ``orders`` (unit costs, or ``cost[action]`` -- e.g. measured seconds -- free
+    communication): the makespan, each rank's busy time and idle fraction. Raises
+    ``RuntimeError`` if the orders deadlock."""
+    took = (lambda a: cost[a]) if cost is not None else (lambda a: COST[a.kind])
     p = len(orders)
     pos = [0] * p
     clock = [0] * p
@@ -169,14 +171,14 @@ def simulate(orders: list[list[Action]], num_stages: int) -> dict:
                 if any(d not in finish for d in deps):
                     break
                 start = max([clock[r]] + [finish[d] for d in deps])
-                finish[a] = clock[r] = start + COST[a.kind]
+                finish[a] = clock[r] = start + took(a)
                 pos[r] += 1
                 progressed = True
         if not progressed:
             stuck = {r: orders[r][pos[r]] for r in range(p) if pos[r] < len(orders[r])}
             raise RuntimeError(f"pipelining: the schedule deadlocks (next actions {stuck})")
     makespan = max(clock) if clock else 0
-    busy = [sum(COST[a.kind] for a in o) for o in orders]
+    busy = [sum(took(a) for a in o) for o in orders]
     idle = [1 - b / makespan if makespan else 0.0 for b in busy]
     return {"makespan": makespan, "busy": busy, "idle": idle,
             "bubble": sum(idle) / p if p else 0.0}

@@ -113,6 +113,12 @@ class _PipelineSchedule:
         return _orders.comm_counts(list(self.pipeline_order.values()), self._rank,
                                    self._num_stages, self._shape)
 
+    def replayed_bubble(self, costs: dict) -> dict:
+        """The schedule played with measured costs (``{Action: seconds}`` of every rank: the
+        union of each rank's ``last_step_timing["actions"]``) and free communication -- the
+        bubble the order leaves with the real compute, whatever the machine's load."""
+        return _orders.simulate(list(self.pipeline_order.values()), self._num_stages, costs)
+
     def analytical_bubble(self) -> dict:
         """The schedule played in unit time (F = 1, B = 2, I = W = 1, free communication):
         ``{"idle": [fraction per pp rank], "bubble": mean, "makespan": ...}``."""
@@ -185,6 +191,7 @@ class _PipelineSchedule:
         outputs: dict[int, object] = {}
         mb_losses: dict[int, torch.Tensor] = {}
         busy = waited = 0.0   # in this rank's compute; blocked in receives and the last sends
+        cpu: dict[Action, float] = {}   # each action's compute in this thread's CPU seconds
         start = time.perf_counter()
         for a in self._order:
             if not has_backward and a.kind != "F":
@@ -200,7 +207,7 @@ class _PipelineSchedule:
                 else:
                     mb_args, mb_kwargs = tuple(st._recv(ACTIVATION, a.stage - 1, a.mb, mailbox)), {}
                     waited += time.perf_counter() - t0
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.thread_time()
                 output, outs = st.forward_one(a.mb, mb_args, mb_kwargs, has_backward)
                 if st.is_last:
                     outputs[a.mb] = output.detach() if isinstance(output, torch.Tensor) else output
@@ -210,22 +217,25 @@ class _PipelineSchedule:
                         mb_losses[a.mb] = loss.detach()
                         if has_backward:
                             st.keep_loss(a.mb, loss)
-                    busy += time.perf_counter() - t0
-                else:
-                    busy += time.perf_counter() - t0
+                busy += time.perf_counter() - t0
+                cpu[a] = time.thread_time() - c0
+                if not st.is_last:
                     pending += st._send(ACTIVATION, list(outs), a.stage + 1, a.mb, mailbox)
                 continue
             if a == self._last_grad_action.get(a.stage):
                 st.before_last_backward()
             if a.kind == "W":
+                c0 = time.thread_time()
                 st.backward_weight_one(a.mb)
                 busy += time.perf_counter() - t0
+                cpu[a] = time.thread_time() - c0
                 continue
             grads = None if st.is_last else st._recv(GRADIENT, a.stage + 1, a.mb, mailbox)
             waited += time.perf_counter() - t0
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             in_grads = st.backward_one(a.mb, grads, split=a.kind == "I")
             busy += time.perf_counter() - t0
+            cpu[a] = time.thread_time() - c0
             if not st.is_first:
                 pending += st._send(GRADIENT, in_grads, a.stage - 1, a.mb, mailbox)
         t0 = time.perf_counter()
@@ -239,9 +249,12 @@ class _PipelineSchedule:
         # compute time of this rank's actions vs the step's wall time (measured bubble)
         # "idle": everything but compute (waits, sends, Python); "waiting": only the time
         # blocked for a neighbour -- the bubble itself, by this rank's own clock
+        # "actions": each action's CPU seconds, to replay the order with measured costs
+        # (replayed_bubble), which descheduling on a loaded machine does not inflate
         self.last_step_timing = {"busy_s": busy, "wait_s": waited, "step_s": total,
                                  "idle": 1 - busy / total if total > 0 else 0.0,
-                                 "waiting": waited / total if total > 0 else 0.0}
+                                 "waiting": waited / total if total > 0 else 0.0,
+                                 "actions": cpu}
         if last_stage is None:
             return None
         if losses is not None and mb_losses:
