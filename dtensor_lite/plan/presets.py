@@ -43,8 +43,8 @@ _HF_NAMES = {"hidden_size": "dim", "num_hidden_layers": "n_layers",
 
 
 def model_fields(spec: str, *, presets: dict | None = None) -> dict:
-    """The Llama fields of a preset name (``example``, ``llama3-8b`` / ``70b`` / ``405b``, or a name of
-    ``presets``) or of a JSON file; unknown JSON keys are ignored with a note on stderr."""
+    """The Llama fields of a preset name (``example``, ``llama3-8b`` / ``70b`` / ``405b``, or a
+    name of ``presets``) or of a JSON file; unknown JSON keys are ignored with a note on stderr."""
     known = {"example": EXAMPLE, **LLAMA3, **(presets or {})}
     if spec in known:
         return {**LLAMA_FIELDS, **known[spec]}
@@ -52,7 +52,8 @@ def model_fields(spec: str, *, presets: dict | None = None) -> dict:
     if not path.is_file():
         raise SystemExit(f"--model {spec!r}: not one of {', '.join(known)} and not a JSON file")
     raw = json.loads(path.read_text())
-    values = {_HF_NAMES.get(k, k): v for k, v in raw.items() if _HF_NAMES.get(k, k) in LLAMA_FIELDS}
+    values = {_HF_NAMES.get(k, k): v for k, v in raw.items()
+              if _HF_NAMES.get(k, k) in LLAMA_FIELDS}
     unknown = sorted(k for k in raw if _HF_NAMES.get(k, k) not in LLAMA_FIELDS)
     if unknown:
         print(f"--model {spec}: ignoring {', '.join(unknown)}", file=sys.stderr)

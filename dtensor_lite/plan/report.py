@@ -82,7 +82,8 @@ def pipeline_tables(report) -> list:
                 "bubble (mean)"):
         per.add_column(col, justify="left" if col == "schedule" else "right")
     for row in pl["schedules"]:
-        per.add_row(row["schedule"].removeprefix("Schedule"), str(row["microbatches_in_flight"]),
+        per.add_row(row["schedule"].removeprefix("Schedule"),
+                    str(row["microbatches_in_flight"]),
                     human_bytes(row["activation_bytes_in_flight"]),
                     f"{100 * row['idle_this_rank']:.1f}%", f"{100 * row['bubble']:.1f}%",
                     style="bold" if row["schedule"] == pl["schedule"] else None)
