@@ -1,4 +1,5 @@
-"""A small Llama-style language model in plain PyTorch (no dtensor_lite inside).
+"""A small Llama-style language model in plain PyTorch (no parallelism inside; its Llama 3 shapes
+come from dtensor_lite/plan/presets.py, which the plan CLIs read).
 
 Token embedding, RMSNorm, rotary position embedding, causal attention through
 ``F.scaled_dot_product_attention``, a SwiGLU MLP and a cross-entropy loss: the op mix of a real
@@ -12,6 +13,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+from dtensor_lite.plan.presets import LLAMA3
 
 
 @dataclass
@@ -139,15 +142,8 @@ class Llama(nn.Module):
 
 
 # Llama 3 shapes (Meta's published configs: params.json of the 8B, 70B and 405B models)
-LLAMA3_CONFIGS = {
-    "llama3-8b": LlamaConfig(vocab_size=128256, dim=4096, n_layers=32, n_heads=32, n_kv_heads=8,
-                             ffn_dim=14336, max_seq_len=8192, rope_theta=500000.0),
-    "llama3-70b": LlamaConfig(vocab_size=128256, dim=8192, n_layers=80, n_heads=64, n_kv_heads=8,
-                              ffn_dim=28672, max_seq_len=8192, rope_theta=500000.0),
-    "llama3-405b": LlamaConfig(vocab_size=128256, dim=16384, n_layers=126, n_heads=128,
-                               n_kv_heads=8, ffn_dim=53248, max_seq_len=8192,
-                               rope_theta=500000.0),
-}
+# the Llama 3 shapes (dtensor_lite/plan/presets.py holds them for the plan CLIs)
+LLAMA3_CONFIGS = {name: LlamaConfig(**fields) for name, fields in LLAMA3.items()}
 
 
 def loss_fn(logits, targets):

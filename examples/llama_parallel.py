@@ -168,6 +168,9 @@ def apply_activation_checkpointing(model: nn.Module, mode: str, *, every: int = 
         return model
     kwargs = {} if mode == "full" else {"context_fn": functools.partial(_selective_contexts,
                                                                         every)}
-    for i, block in enumerate(model.layers):
+    # a ModuleList, or a pipeline stage's ModuleDict (layers under their model indices)
+    items = model.layers.items() if isinstance(model.layers, nn.ModuleDict) \
+        else enumerate(model.layers)
+    for i, block in list(items):
         model.layers[i] = checkpoint_wrapper(block, preserve_rng_state=False, **kwargs)
     return model

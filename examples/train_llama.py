@@ -56,11 +56,13 @@ from dtensor_lite import DTensor, Partial, Shard, init_device_mesh  # noqa: E402
 from dtensor_lite.debug import ExposedCommMode, MemoryTracker  # noqa: E402
 from dtensor_lite.plan import dry_run  # noqa: E402
 from dtensor_lite.plan.cli import add_cost_args, cost_models, print_report  # noqa: E402
+from dtensor_lite.plan.presets import EXAMPLE  # noqa: E402
 from dtensor_lite.state_dict import get_state_dict, set_state_dict  # noqa: E402
 from examples.llama import Llama, LlamaConfig, loss_fn  # noqa: E402
 from examples.llama_parallel import (AC_MODES, apply_activation_checkpointing,  # noqa: E402
                                      parallelize_llama)
-from examples.train_llama_pp import PP_SCHEDULES, bubble_row, build_pipelined  # noqa: E402
+from examples.train_llama_pp import (PP_SCHEDULES, bubble_row, build_pipelined,  # noqa: E402
+                                     reshard_kwargs)
 from fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 from tp import loss_parallel  # noqa: E402
 
@@ -87,8 +89,8 @@ class TrainConfig:
     param_dtype: str = "fp32"   # FSDP mixed precision: "bf16" gathers and computes in bf16
     pp_schedule: str = "1f1b"   # with a pp mesh dim: gpipe | 1f1b | interleaved | zero-bubble
     microbatches: int = 4       # micro-batches per step with a pp mesh dim
-    model: LlamaConfig = dataclasses.field(default_factory=lambda: LlamaConfig(
-        vocab_size=256, dim=64, n_layers=2, n_heads=8, ffn_dim=160, max_seq_len=64))
+    reshard_after_forward: bool | None = None   # fully_shard's, for the blocks (None: default)
+    model: LlamaConfig = dataclasses.field(default_factory=lambda: LlamaConfig(**EXAMPLE))
 
 
 # ============================================================================ mesh
@@ -167,7 +169,7 @@ def build(cfg: TrainConfig, mesh, sizes: dict[str, int]):
         if cfg.param_dtype == "bf16" else MixedPrecisionPolicy()
     for block in model.layers:
         if dp_mesh is not None:
-            fully_shard(block, mesh=dp_mesh, mp_policy=mp)
+            fully_shard(block, mesh=dp_mesh, mp_policy=mp, **reshard_kwargs(cfg))
         if cfg.compile:
             # in place (Module.compile): parameter names and checkpoints stay as they are; the
             # FSDP hooks run eagerly around the compiled forward (see fsdp/hooks.py)
@@ -351,15 +353,25 @@ def dry_run_setup(cfg: TrainConfig):
     def setup(mesh):
         sizes = dict(zip(mesh.mesh_dim_names, mesh.shape))
         check_shapes(cfg, sizes)
+        windows = torch.zeros(cfg.batch // dp_size(sizes), cfg.seq + 1, dtype=torch.long)
+        if "pp" in sizes:   # the real schedule's step on the meta mesh (dtensor_lite.plan)
+            model, opt, pp_step, schedule = build_pipelined(cfg, mesh, sizes, dp_names(sizes))
+            return model, opt, lambda: pp_step(windows[:, :-1], windows[:, 1:]), schedule
         model, opt = build(cfg, mesh, sizes)
         # this rank's rows laid out as global_batch lays them out (inputs and targets are two
         # overlapping views of one window tensor: the loss copies the strided targets, and that
         # copy is memory too); token values never matter to the sizes
-        windows = torch.zeros(cfg.batch // dp_size(sizes), cfg.seq + 1, dtype=torch.long)
         inputs, targets = windows[:, :-1], windows[:, 1:]
         lp = uses_loss_parallel(cfg, sizes)
         return model, opt, lambda: train_step(model, opt, inputs, targets, lp)
     return setup
+
+
+def plan_setup(model: dict, **options):
+    """``python -m dtensor_lite.plan --setup examples.train_llama:plan_setup``: the dry run's
+    ``setup(mesh)`` of this script for the Llama of ``model`` (``dtensor_lite.plan.presets``
+    fields) and the CLI's ``options`` (TrainConfig fields: mesh, batch, seq, ac, ...)."""
+    return dry_run_setup(TrainConfig(model=LlamaConfig(**model), quiet=True, **options))
 
 
 def reference_losses(cfg: TrainConfig) -> list[float]:
@@ -553,6 +565,11 @@ def _parser() -> argparse.ArgumentParser:
                     help="pipeline schedule with a pp mesh dim (default %(default)s)")
     ap.add_argument("--microbatches", type=int, default=d.microbatches,
                     help="micro-batches per step with a pp mesh dim (default %(default)s)")
+    ap.add_argument("--reshard-after-forward", choices=(True, False), default=None,
+                    type=lambda v: {"true": True, "false": False}.get(v.lower(), v),
+                    help="fully_shard's reshard_after_forward for the blocks (default: "
+                         "fully_shard's; under a pp schedule that keeps them gathered through "
+                         "the step, docs/pipelining.md)")
     ap.add_argument("--layers", type=int, default=None,
                     help=f"transformer blocks (default {d.model.n_layers}; a pp schedule needs "
                          "one per stage at least)")
@@ -567,9 +584,6 @@ def _parser() -> argparse.ArgumentParser:
 def dry_run_main(argv=None):
     """``--dry-run``: the report of ``python -m dtensor_lite.plan`` for this script's model."""
     cfg = parse_args(argv)
-    if "pp" in parse_mesh(cfg.mesh, None):
-        raise SystemExit("--dry-run does not size pipeline stages yet (a pp mesh dim); plan the "
-                         "stage's sub-mesh instead, e.g. --mesh dp_shard=16,tp=8")
     args = _parser().parse_args(argv)
     link, compute = cost_models(args)
     report = dry_run(dry_run_setup(cfg), parse_mesh(cfg.mesh, None), rank=args.rank,

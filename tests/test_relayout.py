@@ -193,12 +193,13 @@ def test_relayout_dry_run_cli_at_scale_sizes_every_byte_once(capsys):
     import math
 
     from dtensor_lite.plan.__main__ import main
-    from dtensor_lite.plan.__main__ import model_config
+    from dtensor_lite.plan.presets import model_fields
+    from examples.llama import LlamaConfig
     main(["relayout", "--model", "example", "--src", "dp_shard=4", "--dst", "tp=2",
           "--dst-first-rank", "4", "--json"])
     out = json.loads(capsys.readouterr().out)
     with torch.device("meta"):
-        model = Llama(model_config("example"))
+        model = Llama(LlamaConfig(**model_fields("example")))
     total = sum(p.numel() * (2 if "norm" in n else 1) for n, p in model.named_parameters())
     assert out["world"] == 6 and out["total_bytes"] == total * 2
     assert out["link_bytes"]["intra-node"] == out["total_bytes"]  # 6 ranks: one node of 8

@@ -8,10 +8,11 @@ reduce-scatter once per step. See docs/pipelining.md.
 from .microbatch import TensorChunkSpec, merge_chunks, split_args_kwargs_into_chunks
 from .schedules import (PipelineScheduleMulti, PipelineScheduleSingle, Schedule1F1B,
                         ScheduleGPipe, ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble,
-                        ScheduleLoopedBFS, get_schedule_class)
+                        ScheduleLoopedBFS, ScheduleZBVZeroBubble, get_schedule_class)
 from .stage import PipelineStage
 
 __all__ = ["PipelineStage", "ScheduleGPipe", "Schedule1F1B", "ScheduleInterleaved1F1B",
-           "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble", "PipelineScheduleSingle",
+           "ScheduleLoopedBFS", "ScheduleInterleavedZeroBubble", "ScheduleZBVZeroBubble",
+           "PipelineScheduleSingle",
            "PipelineScheduleMulti", "get_schedule_class", "TensorChunkSpec",
            "split_args_kwargs_into_chunks", "merge_chunks"]

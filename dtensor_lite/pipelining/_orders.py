@@ -26,7 +26,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["Action", "gpipe", "looped_bfs", "greedy", "simulate", "comm_counts"]
+__all__ = ["Action", "gpipe", "looped_bfs", "greedy", "simulate", "comm_counts", "local_stages",
+           "stage_rank"]
 
 COST = {"F": 1, "B": 2, "I": 1, "W": 1}
 
@@ -40,8 +41,20 @@ class Action(NamedTuple):
         return f"{self.kind}{self.stage}.{self.mb}"
 
 
-def local_stages(rank: int, p: int, v: int) -> list[int]:
+def local_stages(rank: int, p: int, v: int, shape: str = "loop") -> list[int]:
+    """The stages pp rank ``rank`` holds: looped (``r, r + p, ...``) or, with ``shape="v"``
+    (two per rank), V-shaped: ``r`` and ``2p - 1 - r``, so the last stage sits on rank 0 and
+    the pipeline turns on rank ``p - 1``, which holds two neighbouring stages."""
+    if shape == "v":
+        return [rank, 2 * p - 1 - rank]
     return [rank + k * p for k in range(v)]
+
+
+def stage_rank(stage: int, p: int, shape: str = "loop") -> int:
+    """The pp rank that holds ``stage`` (see ``local_stages``)."""
+    if shape == "v":
+        return stage if stage < p else 2 * p - 1 - stage
+    return stage % p
 
 
 def gpipe(p: int, v: int, m: int) -> list[list[Action]]:
@@ -73,16 +86,26 @@ def interleaved_limit(rank: int, p: int, v: int, m: int) -> int:
     return min(warmup + 1, v * m)
 
 
-def greedy(p: int, v: int, m: int, split_backward: bool) -> list[list[Action]]:
-    """The 1F1B-family orders (see the module docstring)."""
+def v_limit(rank: int, p: int, m: int) -> int:
+    """V-shape: forwards (of either local stage, each half a rank's layers) a rank may hold
+    before their ``W``: ``2p`` on every rank, the activations of ``p`` micro-batches through all
+    its layers -- 1F1B's memory on rank 0. Fewer starve the pipeline (played: at p = 4, m = 8,
+    ``2 (p - r) + 2`` gives a 13% bubble, ``2p`` 6%, as interleaved zero bubble)."""
+    return min(2 * p, 2 * m)
+
+
+def greedy(p: int, v: int, m: int, split_backward: bool,
+           shape: str = "loop") -> list[list[Action]]:
+    """The 1F1B-family orders (see the module docstring); ``shape="v"``: V-shaped placement."""
     num_stages = p * v
     back = "I" if split_backward else "B"
-    todo = [[Action(k, s, i) for s in local_stages(r, p, v) for i in range(m)
+    todo = [[Action(k, s, i) for s in local_stages(r, p, v, shape) for i in range(m)
              for k in (("F", "I", "W") if split_backward else ("F", "B"))] for r in range(p)]
     finish: dict[Action, int] = {}
     busy_until = [0] * p
     orders: list[list[Action]] = [[] for _ in range(p)]
-    limit = [interleaved_limit(r, p, v, m) for r in range(p)]
+    limit = [v_limit(r, p, m) if shape == "v" else interleaved_limit(r, p, v, m)
+             for r in range(p)]
     in_flight = [0] * p   # forwards whose backward has not started
     pending_w = [0] * p
     t = 0
@@ -128,9 +151,11 @@ def _pick(ready: list[Action], back: str, may_forward: bool, w_overdue: bool, la
     return forward or backward or weight if last != "F" else backward or forward or weight
 
 
-def simulate(orders: list[list[Action]], num_stages: int) -> dict:
-    """Play ``orders`` (unit costs, free communication): the makespan, each rank's busy time and
-    idle fraction. Raises ``RuntimeError`` if the orders deadlock."""
+def simulate(orders: list[list[Action]], num_stages: int, cost: dict | None = None) -> dict:
+    """Play ``orders`` (unit costs, or ``cost[action]`` -- e.g. measured seconds -- free
+    communication): the makespan, each rank's busy time and idle fraction. Raises
+    ``RuntimeError`` if the orders deadlock."""
+    took = (lambda a: cost[a]) if cost is not None else (lambda a: COST[a.kind])
     p = len(orders)
     pos = [0] * p
     clock = [0] * p
@@ -146,14 +171,14 @@ def simulate(orders: list[list[Action]], num_stages: int) -> dict:
                 if any(d not in finish for d in deps):
                     break
                 start = max([clock[r]] + [finish[d] for d in deps])
-                finish[a] = clock[r] = start + COST[a.kind]
+                finish[a] = clock[r] = start + took(a)
                 pos[r] += 1
                 progressed = True
         if not progressed:
             stuck = {r: orders[r][pos[r]] for r in range(p) if pos[r] < len(orders[r])}
             raise RuntimeError(f"pipelining: the schedule deadlocks (next actions {stuck})")
     makespan = max(clock) if clock else 0
-    busy = [sum(COST[a.kind] for a in o) for o in orders]
+    busy = [sum(took(a) for a in o) for o in orders]
     idle = [1 - b / makespan if makespan else 0.0 for b in busy]
     return {"makespan": makespan, "busy": busy, "idle": idle,
             "bubble": sum(idle) / p if p else 0.0}
@@ -168,7 +193,8 @@ def _as_run(d: Action, finish) -> Action:
     return d
 
 
-def comm_counts(orders: list[list[Action]], rank: int, num_stages: int) -> dict[str, int]:
+def comm_counts(orders: list[list[Action]], rank: int, num_stages: int,
+                shape: str = "loop") -> dict[str, int]:
     """Messages ``rank`` sends and receives per step (per tensor crossing a stage boundary)."""
     p = len(orders)
     counts = {"send": 0, "recv": 0}
@@ -179,8 +205,8 @@ def comm_counts(orders: list[list[Action]], rank: int, num_stages: int) -> dict[
             nxt, prv = a.stage - 1, a.stage + 1   # gradients flow back
         else:
             continue
-        if 0 <= nxt < num_stages and nxt % p != rank:
+        if 0 <= nxt < num_stages and stage_rank(nxt, p, shape) != rank:
             counts["send"] += 1
-        if 0 <= prv < num_stages and prv % p != rank:
+        if 0 <= prv < num_stages and stage_rank(prv, p, shape) != rank:
             counts["recv"] += 1
     return counts

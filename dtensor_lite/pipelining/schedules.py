@@ -28,13 +28,14 @@ from .stage import PipelineStage
 
 __all__ = ["PipelineScheduleSingle", "PipelineScheduleMulti", "ScheduleGPipe", "Schedule1F1B",
            "ScheduleLoopedBFS", "ScheduleInterleaved1F1B", "ScheduleInterleavedZeroBubble",
-           "get_schedule_class"]
+           "ScheduleZBVZeroBubble", "get_schedule_class", "schedules_with"]
 
 
 class _PipelineSchedule:
     _one_stage_per_rank = False   # GPipe, 1F1B
     _needs_full_pipe = False      # the 1F1B family: at least one micro-batch per pp rank
     _split_backward = False       # zero bubble: backward as I then W
+    _shape = "loop"               # which rank holds which stage (_orders.local_stages)
 
     def __init__(self, stages: list[PipelineStage], n_microbatches: int,
                  loss_fn: Callable | None = None, args_chunk_spec=None, kwargs_chunk_spec=None,
@@ -55,12 +56,20 @@ class _PipelineSchedule:
         if self._one_stage_per_rank and v != 1:
             raise ValueError(f"{name} runs one stage per pp rank, but {num_stages} stages over "
                              f"{p} pp ranks make {v} per rank; use ScheduleInterleaved1F1B, "
-                             "ScheduleLoopedBFS or ScheduleInterleavedZeroBubble")
+                             "ScheduleLoopedBFS, ScheduleInterleavedZeroBubble or "
+                             "ScheduleZBVZeroBubble")
+        if self._shape == "v" and v != 2:
+            raise ValueError(f"{name} runs two stages per pp rank (V shape), but {num_stages} "
+                             f"stages over {p} pp ranks make {v} per rank; use {2 * p} stages")
         mine = sorted(s.stage_index for s in stages)
-        expected = _orders.local_stages(first.group_rank, p, v)
+        expected = sorted(_orders.local_stages(first.group_rank, p, v, self._shape))
         if mine != expected:
+            where = (f"V shape: stages r and {2 * p - 1} - r on rank r" if self._shape == "v"
+                     else f"stage s on rank s % {p}")
             raise ValueError(f"{name}: pp rank {first.group_rank} must hold stages {expected} "
-                             f"(stage s on rank s % {p}), got {mine}")
+                             f"({where}), got {mine}")
+        for s in stages:
+            s.shape = self._shape
         if self._needs_full_pipe and n_microbatches < p:
             raise ValueError(f"{name}: {n_microbatches} micro-batches are fewer than the {p} pp "
                              f"ranks; this schedule needs n_microbatches >= {p} (or use "
@@ -75,7 +84,7 @@ class _PipelineSchedule:
         self._num_stages, self._p, self._v = num_stages, p, v
         self._pp_mesh = first.pp_mesh
         self._rank = first.group_rank
-        orders = self._build_orders(p, v, n_microbatches)
+        orders = self.orders(p, v, n_microbatches)
         self.pipeline_order: dict[int, list[Action]] = dict(enumerate(orders))
         self._order = orders[self._rank]
         # the last action of each local stage that produces parameter gradients
@@ -86,14 +95,29 @@ class _PipelineSchedule:
         self._agreed = False
         self.last_step_timing: dict | None = None
 
-    def _build_orders(self, p, v, m):
+    @classmethod
+    def orders(cls, p: int, v: int, m: int) -> list[list[Action]]:
+        """Every pp rank's actions for ``p`` ranks, ``v`` stages per rank, ``m`` micro-batches
+        (what ``pipeline_order`` holds; the dry run plays it for each schedule)."""
         raise NotImplementedError
 
     # ------------------------------------------------------------------ beyond torch
+    @classmethod
+    def stages_of(cls, pp_rank: int, pp_size: int, stages_per_rank: int = 1) -> list[int]:
+        """The stage indices pp rank ``pp_rank`` must build for this schedule: looped
+        (``r, r + p, ...``), or ``[r, 2p - 1 - r]`` for ``ScheduleZBVZeroBubble``."""
+        return _orders.local_stages(pp_rank, pp_size, stages_per_rank, cls._shape)
+
     def comm_counts(self) -> dict[str, int]:
         """Messages this rank sends and receives per step, per tensor crossing a boundary."""
         return _orders.comm_counts(list(self.pipeline_order.values()), self._rank,
-                                   self._num_stages)
+                                   self._num_stages, self._shape)
+
+    def replayed_bubble(self, costs: dict) -> dict:
+        """The schedule played with measured costs (``{Action: seconds}`` of every rank: the
+        union of each rank's ``last_step_timing["actions"]``) and free communication -- the
+        bubble the order leaves with the real compute, whatever the machine's load."""
+        return _orders.simulate(list(self.pipeline_order.values()), self._num_stages, costs)
 
     def analytical_bubble(self) -> dict:
         """The schedule played in unit time (F = 1, B = 2, I = W = 1, free communication):
@@ -142,7 +166,7 @@ class _PipelineSchedule:
         self._agreed = True
 
     def _step(self, args, kwargs, target, losses, return_outputs, has_backward, is_step):
-        if not self._agreed:
+        if not self._agreed and not self._stages[0].dry:   # a dry run has no data to agree on
             self._agree(is_step)
         m = self._n_microbatches
         first = self._stages[0].is_first
@@ -166,7 +190,8 @@ class _PipelineSchedule:
         pending: list = []
         outputs: dict[int, object] = {}
         mb_losses: dict[int, torch.Tensor] = {}
-        busy = 0.0
+        busy = waited = 0.0   # in this rank's compute; blocked in receives and the last sends
+        cpu: dict[Action, float] = {}   # each action's compute in this thread's CPU seconds
         start = time.perf_counter()
         for a in self._order:
             if not has_backward and a.kind != "F":
@@ -181,7 +206,8 @@ class _PipelineSchedule:
                     mb_args, mb_kwargs = arg_mbs[a.mb], kwarg_mbs[a.mb]
                 else:
                     mb_args, mb_kwargs = tuple(st._recv(ACTIVATION, a.stage - 1, a.mb, mailbox)), {}
-                t0 = time.perf_counter()
+                    waited += time.perf_counter() - t0
+                t0, c0 = time.perf_counter(), time.thread_time()
                 output, outs = st.forward_one(a.mb, mb_args, mb_kwargs, has_backward)
                 if st.is_last:
                     outputs[a.mb] = output.detach() if isinstance(output, torch.Tensor) else output
@@ -191,32 +217,44 @@ class _PipelineSchedule:
                         mb_losses[a.mb] = loss.detach()
                         if has_backward:
                             st.keep_loss(a.mb, loss)
-                    busy += time.perf_counter() - t0
-                else:
-                    busy += time.perf_counter() - t0
+                busy += time.perf_counter() - t0
+                cpu[a] = time.thread_time() - c0
+                if not st.is_last:
                     pending += st._send(ACTIVATION, list(outs), a.stage + 1, a.mb, mailbox)
                 continue
             if a == self._last_grad_action.get(a.stage):
                 st.before_last_backward()
             if a.kind == "W":
+                c0 = time.thread_time()
                 st.backward_weight_one(a.mb)
                 busy += time.perf_counter() - t0
+                cpu[a] = time.thread_time() - c0
                 continue
             grads = None if st.is_last else st._recv(GRADIENT, a.stage + 1, a.mb, mailbox)
-            t0 = time.perf_counter()
+            waited += time.perf_counter() - t0
+            t0, c0 = time.perf_counter(), time.thread_time()
             in_grads = st.backward_one(a.mb, grads, split=a.kind == "I")
             busy += time.perf_counter() - t0
+            cpu[a] = time.thread_time() - c0
             if not st.is_first:
                 pending += st._send(GRADIENT, in_grads, a.stage - 1, a.mb, mailbox)
+        t0 = time.perf_counter()
         for work in pending:
             work.wait()
+        waited += time.perf_counter() - t0
         if has_backward and self.scale_grads:
             for s in self._stages:
                 s.scale_grads(m)
         total = time.perf_counter() - start
         # compute time of this rank's actions vs the step's wall time (measured bubble)
-        self.last_step_timing = {"busy_s": busy, "step_s": total,
-                                 "idle": 1 - busy / total if total > 0 else 0.0}
+        # "idle": everything but compute (waits, sends, Python); "waiting": only the time
+        # blocked for a neighbour -- the bubble itself, by this rank's own clock
+        # "actions": each action's CPU seconds, to replay the order with measured costs
+        # (replayed_bubble), which descheduling on a loaded machine does not inflate
+        self.last_step_timing = {"busy_s": busy, "wait_s": waited, "step_s": total,
+                                 "idle": 1 - busy / total if total > 0 else 0.0,
+                                 "waiting": waited / total if total > 0 else 0.0,
+                                 "actions": cpu}
         if last_stage is None:
             return None
         if losses is not None and mb_losses:
@@ -268,7 +306,8 @@ class ScheduleGPipe(PipelineScheduleSingle):
     """All micro-batches' forwards, then all backwards. Bubble (p-1)/(m+p-1); holds the
     activations of all m micro-batches."""
 
-    def _build_orders(self, p, v, m):
+    @classmethod
+    def orders(cls, p, v, m):
         return _orders.gpipe(p, v, m)
 
 
@@ -276,7 +315,8 @@ class Schedule1F1B(PipelineScheduleSingle):
     """One forward, one backward: GPipe's bubble with at most p micro-batches in flight."""
     _needs_full_pipe = True
 
-    def _build_orders(self, p, v, m):
+    @classmethod
+    def orders(cls, p, v, m):
         return _orders.greedy(p, v, m, split_backward=False)
 
 
@@ -284,7 +324,8 @@ class ScheduleLoopedBFS(PipelineScheduleMulti):
     """Several stages per rank, breadth first: every micro-batch through one local stage, then
     the next."""
 
-    def _build_orders(self, p, v, m):
+    @classmethod
+    def orders(cls, p, v, m):
         return _orders.looped_bfs(p, v, m)
 
 
@@ -293,7 +334,8 @@ class ScheduleInterleaved1F1B(PipelineScheduleMulti):
     (p-1)/(v*m+p-1)."""
     _needs_full_pipe = True
 
-    def _build_orders(self, p, v, m):
+    @classmethod
+    def orders(cls, p, v, m):
         return _orders.greedy(p, v, m, split_backward=False)
 
 
@@ -303,18 +345,42 @@ class ScheduleInterleavedZeroBubble(PipelineScheduleMulti):
     _needs_full_pipe = True
     _split_backward = True
 
-    def _build_orders(self, p, v, m):
+    @classmethod
+    def orders(cls, p, v, m):
         return _orders.greedy(p, v, m, split_backward=True)
+
+
+class ScheduleZBVZeroBubble(PipelineScheduleMulti):
+    """Zero bubble on a V: two stages per pp rank, ``r`` and ``2p - 1 - r`` (the micro-batch
+    goes down the ranks and back up; the last stage and the loss sit on rank 0, and rank
+    ``p - 1`` passes stage ``p - 1``'s output to stage ``p`` locally), each backward split
+    into ``I`` and ``W`` as in interleaved zero bubble. Holds up to ``2p`` half-stage
+    activations per rank (1F1B's memory on rank 0, and the same on every rank)."""
+    _needs_full_pipe = True
+    _split_backward = True
+    _shape = "v"
+
+    @classmethod
+    def orders(cls, p, v, m):
+        if v != 2:
+            raise ValueError(f"ScheduleZBVZeroBubble runs 2 stages per pp rank, not {v}")
+        return _orders.greedy(p, v, m, split_backward=True, shape="v")
 
 
 _BY_NAME = {c.__name__.lower().removeprefix("schedule"): c for c in
             (ScheduleGPipe, Schedule1F1B, ScheduleLoopedBFS, ScheduleInterleaved1F1B,
-             ScheduleInterleavedZeroBubble)}
+             ScheduleInterleavedZeroBubble, ScheduleZBVZeroBubble)}
+
+
+def schedules_with(stages_per_rank: int) -> list[type]:
+    """The schedule classes that run ``stages_per_rank`` stages per pp rank."""
+    return [c for c in _BY_NAME.values()
+            if (stages_per_rank == 1) == issubclass(c, PipelineScheduleSingle)]
 
 
 def get_schedule_class(schedule_name: str):
     """The schedule class of a name, case-insensitive (``"1F1B"``, ``"GPipe"``,
-    ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"``)."""
+    ``"Interleaved1F1B"``, ``"LoopedBFS"``, ``"InterleavedZeroBubble"``, ``"ZBVZeroBubble"``)."""
     cls = _BY_NAME.get(schedule_name.lower().removeprefix("schedule"))
     if cls is None:
         raise ValueError(f"unknown pipeline schedule '{schedule_name}'; known: "

@@ -17,6 +17,9 @@ parameters held through the step. ``reshard_after_forward=True`` given explicitl
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -24,6 +27,7 @@ import torch.nn as nn
 from .. import collectives
 from ..device_mesh import DeviceMesh
 from ._backward import SplitBackward
+from ._orders import stage_rank
 from ._transfer import (ACTIVATION, META_BYTES, META_SIZE, TensorMeta, local_piece,
                         message_tag, meta_of, rebuild, recv_object, send_object)
 
@@ -97,10 +101,15 @@ class PipelineStage:
         if num_stages % self.group_size:
             raise ValueError(f"PipelineStage: {num_stages} stages do not divide over the "
                              f"{self.group_size} pp ranks; use a multiple of {self.group_size}")
-        if stage_index % self.group_size != self.group_rank:
+        p, r = self.group_size, self.group_rank
+        v_shaped = num_stages == 2 * p and stage_rank(stage_index, p, "v") == r
+        if stage_index % p != r and not v_shaped:
             raise ValueError(f"PipelineStage: stage {stage_index} belongs on pp rank "
-                             f"{stage_index % self.group_size} (stage s on rank s % "
-                             f"{self.group_size}), not on pp rank {self.group_rank}")
+                             f"{stage_index % p} (stage s on rank s % {p}; or, for "
+                             f"ScheduleZBVZeroBubble's V shape, on rank "
+                             f"{stage_rank(stage_index, p, 'v')}), not on pp rank {r}")
+        # which rank holds which stage: "loop" (s % p) or "v"; the schedule sets it
+        self.shape = "loop" if stage_index % p == r else "v"
         self._declared_in = self._declare(input_args, "input_args")
         self._declared_out = self._declare(output_args, "output_args")
         # agreed at the first step: what this stage receives / sends, and their gradients
@@ -125,7 +134,7 @@ class PipelineStage:
         return self.stage_index == self.num_stages - 1
 
     def rank_of(self, stage: int) -> int:
-        return stage % self.group_size
+        return stage_rank(stage, self.group_size, self.shape)
 
     def __repr__(self):
         return (f"PipelineStage({self.stage_index}/{self.num_stages}, pp rank "
@@ -147,7 +156,13 @@ class PipelineStage:
         metas = [None if t is None else meta_of(t, self.pp_mesh, f"stage {self.stage_index}'s "
                                                 f"{what} {i}") for i, t in enumerate(tensors)]
         pending = []
-        if agreed is None:
+        if agreed is None and self.dry:
+            agreed = metas    # a dry run: nobody receives the shapes (see ``dry``)
+            if kind == ACTIVATION:
+                self.out_meta = metas
+            else:
+                self.grad_out_meta = metas
+        elif agreed is None:
             if kind == ACTIVATION and self._declared_out is not None:
                 self._check(metas, self._declared_out, "its output_args")
             pending += send_object(metas, self.pp_mesh, dst,
@@ -186,7 +201,9 @@ class PipelineStage:
         if src == self.group_rank:
             return mailbox.pop((kind, self.stage_index, mb))
         agreed = self.in_meta if kind == ACTIVATION else self.grad_in_meta
-        if agreed is None:
+        if agreed is None and self.dry:
+            agreed = self._dry_meta(kind, from_stage)
+        elif agreed is None:
             agreed = recv_object(self.pp_mesh, src, self._tag(META_SIZE, from_stage, 0, kind),
                                  self._tag(META_BYTES, from_stage, 0, kind), self.device)
             if kind == ACTIVATION:
@@ -206,6 +223,25 @@ class PipelineStage:
             out.append(_leaf(rebuild(piece, meta, self.pp_mesh),
                              kind == ACTIVATION and meta.requires_grad))
         return out
+
+    @property
+    def dry(self) -> bool:
+        """On a ``"meta"`` mesh (``dtensor_lite.plan``'s dry run over a fake world) no message
+        carries data, so the shapes are not received: an activation is what ``input_args``
+        declares, a gradient is shaped like this stage's own output."""
+        return self.pp_mesh.device_type == "meta"
+
+    def _dry_meta(self, kind, from_stage):
+        if kind == ACTIVATION:
+            if self._declared_in is None:
+                raise ValueError(f"pipelining: the dry run (a meta mesh) needs stage "
+                                 f"{self.stage_index}'s input_args: what stage {from_stage} "
+                                 "sends it for one micro-batch (e.g. a meta tensor)")
+            self.in_meta = self._declared_in
+        else:
+            self.grad_in_meta = [None if m is None else dataclasses.replace(m, requires_grad=False)
+                                 for m in self.out_meta]
+        return self.in_meta if kind == ACTIVATION else self.grad_in_meta
 
     def _check_declared(self, received, from_stage):
         try:
@@ -243,7 +279,8 @@ class PipelineStage:
         inputs = [a for a in args if isinstance(a, torch.Tensor) and a.requires_grad]
         if split:
             sb = SplitBackward([o for o, _ in pairs], [g for _, g in pairs], inputs)
-            grads = iter(sb.input_grads())
+            with self._one_backward_only():
+                grads = iter(sb.input_grads())
             self._split[mb] = sb
             return [next(grads) if isinstance(a, torch.Tensor) and a.requires_grad else None
                     for a in args] if inputs else [None] * len(args)
@@ -252,7 +289,24 @@ class PipelineStage:
         return [a.grad if isinstance(a, torch.Tensor) and a.requires_grad else None for a in args]
 
     def backward_weight_one(self, mb: int):
-        self._split.pop(mb).weight_grads()
+        with self._one_backward_only():
+            self._split.pop(mb).weight_grads()
+
+    @contextlib.contextmanager
+    def _one_backward_only(self):
+        """torch's selective checkpointing refuses a second backward through a region, which
+        the split backward is: say so in the schedule's terms."""
+        try:
+            yield
+        except RuntimeError as e:
+            if "selective activation checkpoint" not in str(e):
+                raise
+            raise RuntimeError(
+                f"pipelining: stage {self.stage_index}'s backward runs in two passes under a "
+                "zero-bubble schedule (input gradients, then weight gradients), and selective "
+                "activation checkpointing allows one backward per region; use full "
+                "checkpointing (or none) with this schedule, or a schedule without the split "
+                "(1F1B, interleaved 1F1B)") from e
 
     # ------------------------------------------------------------------ fsdp and scaling
     def _fsdp_modules(self) -> list:

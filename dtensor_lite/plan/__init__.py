@@ -3,8 +3,10 @@
 ``dry_run(setup, {"dp_replicate": 8, "dp_shard": 16, "tp": 8})`` builds the model on the meta
 device, applies the real parallelisation on a fake world of 1,024 ranks and runs one step; the
 report gives one rank's memory by category, its communication by collective and mesh dim, and
-time estimates. ``python -m dtensor_lite.plan --model llama3-70b --mesh ...`` does it for the
-Llama models of ``examples/`` (see docs/scale.md).
+time estimates; a pipeline-parallel ``setup`` that also returns its schedule gets micro-batches
+in flight, bytes per send / receive and the bubble (``pipeline.py``). ``python -m
+dtensor_lite.plan --setup examples.train_llama:plan_setup --model llama3-70b --mesh ...`` does it
+for the Llama shapes of ``presets.py`` (see docs/scale.md).
 """
 from .cost import INTER_NODE, INTRA_NODE, ComputeModel, Link, LinkModel
 from .dry_run import DATA_PARALLEL_DIMS, DryRunReport, dry_run, measure_step

@@ -1,14 +1,17 @@
-"""``python -m dtensor_lite.plan``: dry-run the Llama of ``examples/`` (or a Llama 3 shape) on a
-mesh of any size, from a checkout of this repository (the model and its parallelisation are the
-example's own: ``examples/train_llama.py``)::
+"""``python -m dtensor_lite.plan``: dry-run a Llama (a Llama 3 shape or a JSON config) on a mesh of
+any size, with the model and parallelisation of the code ``--setup`` names -- for this
+repository's example, ``examples.train_llama:plan_setup`` (run from a checkout)::
 
-    python -m dtensor_lite.plan --model llama3-70b --mesh dp_replicate=8,dp_shard=16,tp=8 \\
-        --batch 128 --seq 8192 --ac full
+    python -m dtensor_lite.plan --setup examples.train_llama:plan_setup --model llama3-70b \\
+        --mesh dp_replicate=8,dp_shard=16,tp=8 --batch 128 --seq 8192 --ac full
+    python -m dtensor_lite.plan --setup examples.train_llama:plan_setup --model llama3-405b \\
+        --mesh pp=16,dp_shard=16,tp=8 --pp-schedule 1f1b --microbatches 32 --batch 512 --seq 8192
 
-``--model``: ``llama3-8b``, ``llama3-70b``, ``llama3-405b``, ``example`` (train_llama's small
-model) or a JSON file with ``LlamaConfig`` fields (or Hugging Face names: ``hidden_size``,
-``num_hidden_layers``, ``num_attention_heads``, ``num_key_value_heads``, ``intermediate_size``,
-``vocab_size``, ``rope_theta``, ``rms_norm_eps``).
+``--model``: ``llama3-8b``, ``llama3-70b``, ``llama3-405b`` (``presets.py``) or a JSON file with
+Llama fields or Hugging Face names (``hidden_size``, ``num_hidden_layers``, ...). ``--setup
+MODULE:FUNCTION``: ``FUNCTION(model_fields, **options)`` returns the dry run's ``setup(mesh)``
+(``options``: mesh, batch, seq, ac, param_dtype, sequence_parallel, loss_parallel, pp_schedule,
+microbatches); the library itself imports no model code.
 
 ``python -m dtensor_lite.plan relayout ...`` sizes a whole-model relayout instead (see
 ``relayout_cli.py``).
@@ -16,67 +19,55 @@ model) or a JSON file with ``LlamaConfig`` fields (or Hugging Face names: ``hidd
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
+import importlib
 import sys
-from pathlib import Path
 
 from .cli import add_cost_args, cost_models, print_report
 from .dry_run import dry_run
+from .presets import model_fields
 
-_REPO = Path(__file__).resolve().parents[2]
-_HF_NAMES = {"hidden_size": "dim", "num_hidden_layers": "n_layers",
-             "num_attention_heads": "n_heads", "num_key_value_heads": "n_kv_heads",
-             "intermediate_size": "ffn_dim", "rms_norm_eps": "norm_eps",
-             "max_position_embeddings": "max_seq_len"}
+MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
 
 
-def _examples():
-    if not (_REPO / "examples" / "train_llama.py").exists():
-        raise SystemExit("python -m dtensor_lite.plan builds the Llama of examples/: run it from "
-                         "a checkout of the dtensor_lite repository")
-    if str(_REPO) not in sys.path:
-        sys.path.insert(0, str(_REPO))
-    from examples import llama, train_llama
-    return llama, train_llama
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"pp=16,dp_shard=16,tp=8"`` -> ``{"pp": 16, "dp_shard": 16, "tp": 8}`` (canonical order)."""
+    sizes: dict[str, int] = {}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, _, value = part.partition("=")
+        if name not in MESH_DIMS or not value.isdigit() or int(value) < 1 or name in sizes:
+            raise SystemExit(f"--mesh: bad entry {part!r}; use NAME=SIZE once each, NAME one of "
+                             f"{', '.join(MESH_DIMS)}")
+        sizes[name] = int(value)
+    if not sizes:
+        raise SystemExit("--mesh: give the mesh to plan for, e.g. --mesh dp_shard=8,tp=8")
+    return {n: sizes[n] for n in MESH_DIMS if n in sizes}
 
 
-def model_config(spec: str):
-    """``LlamaConfig`` for a preset name or a JSON file."""
-    llama, train_llama = _examples()
-    if spec == "example":
-        return train_llama.TrainConfig().model
-    if spec in llama.LLAMA3_CONFIGS:
-        return llama.LLAMA3_CONFIGS[spec]
-    path = Path(spec)
-    if not path.is_file():
-        raise SystemExit(f"--model {spec!r}: not one of example, "
-                         f"{', '.join(llama.LLAMA3_CONFIGS)} and not a JSON file")
-    raw = json.loads(path.read_text())
-    fields = {f.name for f in dataclasses.fields(llama.LlamaConfig)}
-    values = {}
-    for key, value in raw.items():
-        key = _HF_NAMES.get(key, key)
-        if key in fields:
-            values[key] = value
-    unknown = sorted(k for k in raw if _HF_NAMES.get(k, k) not in fields)
+def load_setup(spec: str | None):
+    """The function ``MODULE:FUNCTION`` names (imported as any module on ``sys.path``)."""
+    if not spec or ":" not in spec:
+        raise SystemExit("--setup MODULE:FUNCTION is required: the code that builds and "
+                         "parallelises the model, e.g. --setup examples.train_llama:plan_setup "
+                         "from a checkout of this repository")
+    module, _, name = spec.partition(":")
+    if "" not in sys.path:   # `python -m` puts the working directory first; keep it so
+        sys.path.insert(0, "")
     try:
-        cfg = llama.LlamaConfig(**values)
-    except TypeError as e:
-        raise SystemExit(f"--model {spec}: {e}")
-    if unknown:
-        print(f"--model {spec}: ignoring {', '.join(unknown)}", file=sys.stderr)
-    return cfg
+        return getattr(importlib.import_module(module), name)
+    except (ImportError, AttributeError) as e:
+        raise SystemExit(f"--setup {spec}: {e}")
 
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(prog="python -m dtensor_lite.plan",
                                  description=__doc__.split("\n\n")[0])
+    ap.add_argument("--setup", help="MODULE:FUNCTION building the dry run's setup, e.g. "
+                                    "examples.train_llama:plan_setup")
     ap.add_argument("--model", required=True,
-                    help="llama3-8b | llama3-70b | llama3-405b | example | path/to/config.json")
+                    help="llama3-8b | llama3-70b | llama3-405b | path/to/config.json")
     ap.add_argument("--mesh", required=True,
-                    help="mesh dims and sizes, outermost first: dp_replicate, dp_shard, tp "
-                         "(e.g. dp_replicate=8,dp_shard=16,tp=8)")
+                    help="mesh dims and sizes, outermost first: pp, dp_replicate, dp_shard, tp "
+                         "(e.g. dp_replicate=8,dp_shard=16,tp=8 or pp=16,dp_shard=16,tp=8)")
     ap.add_argument("--batch", type=int, required=True,
                     help="global batch in sequences (divides by the data-parallel size)")
     ap.add_argument("--seq", type=int, required=True, help="sequence length in tokens")
@@ -87,6 +78,11 @@ def parse_args(argv=None):
                          "sharded parameters and AdamW state), as torchtitan trains")
     ap.add_argument("--no-sp", dest="sequence_parallel", action="store_false")
     ap.add_argument("--no-loss-parallel", dest="loss_parallel", action="store_false")
+    ap.add_argument("--pp-schedule", default="1f1b",
+                    help="with a pp dim: gpipe | 1f1b | interleaved | zero-bubble | zbv | "
+                         "looped-bfs (default %(default)s)")
+    ap.add_argument("--microbatches", type=int, default=8,
+                    help="micro-batches per step with a pp dim (default %(default)s)")
     add_cost_args(ap)
     return ap.parse_args(argv)
 
@@ -97,21 +93,21 @@ def main(argv=None):
         from .relayout_cli import main as relayout_main
         return relayout_main(argv[1:])
     args = parse_args(argv)
-    _, train_llama = _examples()
-    model = model_config(args.model)
-    if args.seq > model.max_seq_len:
-        model = dataclasses.replace(model, max_seq_len=args.seq)
-    sizes = train_llama.parse_mesh(args.mesh, None)
-    cfg = train_llama.TrainConfig(mesh=args.mesh, batch=args.batch, seq=args.seq, ac=args.ac,
-                                  sequence_parallel=args.sequence_parallel,
-                                  loss_parallel=args.loss_parallel,
-                                  param_dtype=args.param_dtype, model=model)
+    factory = load_setup(args.setup)
+    fields = model_fields(args.model)
+    fields["max_seq_len"] = max(fields["max_seq_len"], args.seq)
+    sizes = parse_mesh(args.mesh)
+    setup = factory(fields, mesh=args.mesh, batch=args.batch, seq=args.seq, ac=args.ac,
+                    param_dtype=args.param_dtype, sequence_parallel=args.sequence_parallel,
+                    loss_parallel=args.loss_parallel, pp_schedule=args.pp_schedule,
+                    microbatches=args.microbatches)
     link, compute = cost_models(args)
-    report = dry_run(train_llama.dry_run_setup(cfg), sizes, rank=args.rank, link_model=link,
-                     compute_model=compute)
+    report = dry_run(setup, sizes, rank=args.rank, link_model=link, compute_model=compute)
+    pp = (f", pp schedule {args.pp_schedule} with {args.microbatches} micro-batches"
+          if "pp" in sizes else "")
     print_report(report, args.json, title=f"dry run: {args.model}, batch {args.batch} x seq "
                                           f"{args.seq}, activation checkpointing {args.ac}, "
-                                          f"parameters {args.param_dtype}")
+                                          f"parameters {args.param_dtype}{pp}")
 
 
 if __name__ == "__main__":

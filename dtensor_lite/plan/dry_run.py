@@ -29,6 +29,7 @@ from ..memory_categories import CATEGORIES
 from .cost import ComputeModel, LinkModel, comm_seconds, overlap
 from .fake_world import fake_world
 from .measure import StepMeter
+from .pipeline import pipeline_section, watch_stages
 
 __all__ = ["dry_run", "measure_step", "DryRunReport", "DATA_PARALLEL_DIMS"]
 
@@ -48,6 +49,8 @@ class DryRunReport:
     hidden_s: float
     exposed_s: float
     step_s: float
+    peak_bytes_above_start: int = 0        # most bytes created in the step alive at once
+    pipeline: dict | None = None           # with a pipeline schedule: see plan/pipeline.py
     link_model: dict = field(default_factory=dict)
     compute_model: dict = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -124,7 +127,9 @@ def dry_run(setup, mesh: dict[str, int], *, rank: int = 0, link_model: LinkModel
             compute_model: ComputeModel | None = None,
             overlapped_dims=DATA_PARALLEL_DIMS) -> DryRunReport:
     """One fake training step on ``mesh`` (``{dim name: size}``, outermost first); see the
-    module docstring for ``setup``.
+    module docstring for ``setup``. A pipeline-parallel ``setup`` returns its schedule too,
+    ``(model, optimizer, step, schedule)``: the report then has a ``pipeline`` entry
+    (micro-batches in flight per schedule, bytes per send / receive, bubble; plan/pipeline.py).
 
     Example::
 
@@ -145,9 +150,15 @@ def dry_run(setup, mesh: dict[str, int], *, rank: int = 0, link_model: LinkModel
         device_mesh = init_device_mesh("meta", tuple(mesh.values()),
                                        mesh_dim_names=tuple(mesh))
         with torch.device("meta"), _fused_attention_on_meta():
-            model, optimizer, step = setup(device_mesh)
-            meter = measure_step(model, optimizer, step)
-    return _report(meter, mesh, rank, link_model, compute_model, overlapped_dims)
+            model, optimizer, step, *schedule = setup(device_mesh)
+            meter = StepMeter(model, optimizer)
+            added = watch_stages(schedule[0], meter._mode) if schedule else None
+            with meter:
+                step()
+    report = _report(meter, mesh, rank, link_model, compute_model, overlapped_dims)
+    if schedule:
+        report.pipeline = pipeline_section(schedule[0], added)
+    return report
 
 
 def _check_mesh(mesh):
@@ -182,5 +193,6 @@ def _report(meter: StepMeter, mesh, rank, link_model, compute_model,
     return DryRunReport(mesh=dict(mesh), rank=rank,
                         bytes={c: meter.bytes.get(c, 0) for c in CATEGORIES}, comm=comm,
                         flops=meter.flops, compute_s=compute_s, comm_s_by_dim=by_dim, **times,
+                        peak_bytes_above_start=meter.peak_bytes,
                         link_model=link_model.as_dict(),
                         compute_model=dataclasses.asdict(compute_model), notes=notes)

@@ -35,8 +35,10 @@ def fake_world(world_size: int, rank: int = 0):
             "group per process); run the dry run in a process of its own, e.g. "
             "`python -m dtensor_lite.plan ...`, or destroy_process_group() first")
     # importing it registers the "fake" backend with torch.distributed
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    import torch.testing._internal.distributed.fake_pg  # noqa: F401
+    # a real (in-process) store, not fake_pg's FakeStore: a wait that outlasts its poll slice
+    # (a loaded machine) reads the store for a posted failure, and FakeStore cannot answer
+    dist.init_process_group("fake", store=dist.HashStore(), rank=rank, world_size=world_size)
     try:
         yield
     finally:

@@ -68,13 +68,27 @@ def storage_bytes(tensors) -> int:
 
 
 class _StepMode(TorchDispatchMode):
-    """Notes fresh output storages (while ``recording``) and counts FLOPs (always)."""
+    """Notes fresh output storages (while ``recording``) and counts FLOPs (always); while
+    ``tracking``, keeps the running total of the storages created since tracking began and still
+    alive, and its peak (each storage leaves the total when it is freed: a weakref callback)."""
 
     def __init__(self):
         super().__init__()
         self.recording = False
         self.created: dict[int, weakref.ref] = {}  # storage key -> weakref, created in forward
         self.flops = 0
+        self.tracking = False
+        self.live = 0
+        self.peak = 0
+        self._tracked: dict[int, weakref.ref] = {}
+        self._sizes: dict[int, int] = {}   # tracked storage -> its bytes in ``live``
+        self._born: dict[int, int] = {}    # tracked storage -> when it was created (0: before)
+        self.created_order = 0
+
+    def bytes_created_since(self, mark: int, exclude: set[int]) -> int:
+        """Bytes of the storages created after ``mark`` (a ``created_order``) still alive."""
+        return sum(self._sizes[k] for k, born in self._born.items()
+                   if born > mark and k in self._tracked and k not in exclude)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
@@ -82,7 +96,7 @@ class _StepMode(TorchDispatchMode):
         packet = func._overloadpacket
         if packet in _FLOPS:
             self.flops += _rank_flops(packet, args, kwargs, out)
-        if self.recording:
+        if self.recording or self.tracking:
             inputs = {_storage(t)._cdata for t in tree_leaves((args, kwargs))
                       if isinstance(t, torch.Tensor)}
             for t in tree_leaves(out):
@@ -91,10 +105,46 @@ class _StepMode(TorchDispatchMode):
                     key = s._cdata
                     if key in inputs:
                         continue  # a view or an in-place result: not a new allocation
+                    if self.tracking:
+                        self._track(key, s)
+                    if not self.recording:
+                        continue
                     ref = self.created.get(key)
                     if ref is None or ref() is None:  # a freed storage's address reused
                         self.created[key] = weakref.ref(s)
         return out
+
+    def _track(self, key: int, s, new: bool = True):
+        """Follow storage ``s`` until it is freed (then its bytes leave the total); ``new``:
+        created in the step (its bytes join the total), else from before (already counted in
+        the start, which the total is above)."""
+        ref = self._tracked.get(key)
+        if ref is not None and ref() is not None:
+            return
+        self._sizes[key] = s.nbytes()
+
+        def freed(_, key=key):
+            if self._tracked.get(key) is ref_:
+                self.live -= self._sizes.pop(key)
+                del self._tracked[key], self._born[key]
+        ref_ = weakref.ref(s, freed)
+        self._tracked[key] = ref_
+        self.created_order += 1
+        self._born[key] = self.created_order if new else 0
+        if new:
+            self.live += self._sizes[key]
+        self.peak = max(self.peak, self.live)
+
+    def resized(self, s, nbytes: int):
+        """``s.resize_(nbytes)`` is about to run (fsdp frees and re-allocates its gathered
+        parameters' storage so, the storage object staying alive)."""
+        if not self.tracking:
+            return
+        key = s._cdata
+        self._track(key, s, new=False)
+        self.live += nbytes - self._sizes[key]
+        self._sizes[key] = nbytes
+        self.peak = max(self.peak, self.live)
 
     def live_bytes(self, exclude: set[int]) -> int:
         total = 0
@@ -132,7 +182,11 @@ class StepMeter:
 
     After the step, ``bytes`` maps each memory category to bytes (``unsharded_params`` and
     ``comm_buffers`` are peaks), ``comm`` is the CommDebugMode of the step, ``flops`` this
-    rank's FLOPs (forward, backward and recomputation).
+    rank's FLOPs (forward, backward and recomputation). ``peak_bytes``: the most bytes of
+    storages created in forward and backward (up to the optimizer step) alive at once -- what
+    ``MemoryTracker.peak_bytes`` measures from the allocator, less the temporaries that live and
+    die inside one op (a pipeline's micro-batches in flight show here, not in ``activations``,
+    which is what is held when the *first* backward begins).
 
     Example::
 
@@ -146,6 +200,7 @@ class StepMeter:
         self.optimizer = optimizer
         self.bytes: dict[str, int] = {}
         self.flops = 0
+        self.peak_bytes = 0   # see the class docstring
         self.comm = _SamplingComm(self)
         self._mode = _StepMode()
         self._sharded: set[int] = set()
@@ -185,6 +240,7 @@ class StepMeter:
         self.sample()
 
     def _pre_step(self, optimizer, args, kwargs):
+        self._mode.tracking = False   # peak_bytes: forward and backward (the pipeline step)
         self.sample()
         self.bytes[GRADIENTS] = storage_bytes(p.grad for p in self._params()
                                               if p.grad is not None)
@@ -213,6 +269,14 @@ class StepMeter:
         self.comm.__enter__()
         self._mode.__enter__()
         self._mode.recording = True
+        self._mode.tracking = True
+        resize, mode = torch.UntypedStorage.resize_, self._mode
+
+        def counted_resize(storage, nbytes):
+            mode.resized(storage, nbytes)
+            return resize(storage, nbytes)
+        self._resize = resize
+        torch.UntypedStorage.resize_ = counted_resize
         return self
 
     def __exit__(self, *exc):
@@ -224,6 +288,9 @@ class StepMeter:
         for h in self._handles:
             h.remove()
         self.flops = self._mode.flops
+        self._mode.tracking = False
+        torch.UntypedStorage.resize_ = self._resize
+        self.peak_bytes = self._mode.peak
         self.bytes[UNSHARDED_PARAMS] = self._peak_unsharded
         self.bytes[COMM_BUFFERS] = comm_buffer_bytes(self.comm)
         return False

@@ -22,6 +22,7 @@ import torch
 
 from .cli import add_cost_args, cost_models
 from .fake_world import fake_world
+from .presets import llama_param_shapes, model_fields
 
 _COLWISE = ("wq", "wk", "wv", "w1", "w3", "output")
 _ROWWISE = ("wo", "w2")
@@ -75,7 +76,6 @@ def _specs(shapes: dict, dims: dict, first_rank: int, dtype):
 
 
 def main(argv=None):
-    from . import __main__ as plan_main
     ap = argparse.ArgumentParser(prog="python -m dtensor_lite.plan relayout",
                                  description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", required=True)
@@ -88,10 +88,7 @@ def main(argv=None):
     ap.add_argument("--bucket-mb", type=float, default=1024.0)
     add_cost_args(ap)
     args = ap.parse_args(argv)
-    cfg = plan_main.model_config(args.model)
-    llama, _ = plan_main._examples()
-    with torch.device("meta"):
-        shapes = {n: tuple(p.shape) for n, p in llama.Llama(cfg).named_parameters()}
+    shapes = llama_param_shapes(model_fields(args.model))
     src_dims, dst_dims = _dims(args.src), _dims(args.dst)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
     world = max(math.prod(src_dims.values()), args.dst_first_rank + math.prod(dst_dims.values()))

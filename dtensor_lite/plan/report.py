@@ -1,7 +1,7 @@
 """rich tables of a :class:`~dtensor_lite.plan.dry_run.DryRunReport`."""
 from __future__ import annotations
 
-__all__ = ["tables", "human_bytes", "human_seconds"]
+__all__ = ["tables", "pipeline_tables", "human_bytes", "human_seconds"]
 
 
 def human_bytes(n: float) -> str:
@@ -49,4 +49,42 @@ def tables(report) -> list:
     time.add_row("communication hidden behind compute", human_seconds(report.hidden_s))
     time.add_row("communication exposed", human_seconds(report.exposed_s))
     time.add_row("step", human_seconds(report.step_s), style="bold")
-    return [memory, comm, time]
+    out = [memory, comm, time]
+    if report.pipeline:
+        out += pipeline_tables(report)
+    return out
+
+
+def pipeline_tables(report) -> list:
+    """The pipeline entry: this rank's stages, messages and, per schedule, what is in flight."""
+    from rich.table import Table
+    pl = report.pipeline
+    stages = Table(title=f"pipeline: {pl['schedule']}, pp={pl['pp']} x {pl['stages_per_rank']} "
+                         f"stage(s) per rank, {pl['n_microbatches']} micro-batches; pp rank "
+                         f"{pl['pp_rank']} holds stages {pl['local_stages']}",
+                   caption=f"peak of the step (micro-batches in flight, fsdp's gathered "
+                           f"parameters, gradients, buffers): "
+                           f"{human_bytes(report.peak_bytes_above_start)} above its start")
+    for col in ("what", "bytes", ""):
+        stages.add_column(col, justify="left" if col == "what" else "right")
+    for s, n in pl["activations_per_microbatch"].items():
+        stages.add_row(f"activations of one micro-batch, stage {s}", f"{n:,}", human_bytes(n))
+    for kind, table in (("send", pl["send_bytes"]), ("receive", pl["recv_bytes"])):
+        for what, n in table.items():
+            stages.add_row(f"{kind} per micro-batch: {what}", f"{n:,}", human_bytes(n))
+    counts = pl["comm_counts"]
+    stages.add_row("messages per step (sends / receives)", f"{counts['send']} / "
+                                                           f"{counts['recv']}", "")
+    per = Table(title="per schedule (this rank's stages): activations in flight and bubble",
+                caption="bubble: the schedule played in unit time (F = I = W = 1, B = 2, free "
+                        "communication), idle fraction; GPipe and 1F1B: (p-1)/(m+p-1)")
+    for col in ("schedule", "micro-batches in flight", "activations in flight", "idle, this rank",
+                "bubble (mean)"):
+        per.add_column(col, justify="left" if col == "schedule" else "right")
+    for row in pl["schedules"]:
+        per.add_row(row["schedule"].removeprefix("Schedule"),
+                    str(row["microbatches_in_flight"]),
+                    human_bytes(row["activation_bytes_in_flight"]),
+                    f"{100 * row['idle_this_rank']:.1f}%", f"{100 * row['bubble']:.1f}%",
+                    style="bold" if row["schedule"] == pl["schedule"] else None)
+    return [stages, per]
