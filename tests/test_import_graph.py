@@ -12,12 +12,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("dtensor_lite", "fsdp", "tp")
-# Cycles known and owned elsewhere, each with its reason; remove an entry with its cycle.
-KNOWN: dict[frozenset, str] = {
-    frozenset({"dtensor_lite.plan.__main__", "dtensor_lite.plan.relayout_cli"}):
-        "relayout_cli reads the Llama presets through __main__ until the dry-run CLI stops "
-        "importing examples/ (issue 26's dry-run item, owned by the plan/ work)",
-}
+# Cycles known and owned elsewhere, each with its reason (none today); remove an entry with its cycle.
+KNOWN: dict[frozenset, str] = {}
 
 
 def modules() -> dict[str, tuple[Path, bool]]:
