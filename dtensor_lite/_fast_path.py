@@ -32,7 +32,7 @@ Dynamo treats DTensor as a traceable wrapper subclass and never calls this hook 
 from __future__ import annotations
 
 import contextlib
-
+import os
 import types
 
 import torch
@@ -46,7 +46,14 @@ from .dtensor import DTensor, use_torch_function
 
 __all__ = ["torch_function"]
 
+# The ordinary path skips DTensor's hook for this one call only. Not
+# ``_disabled_torch_function_impl``: that runs the whole call with every subclass's
+# ``__torch_function__`` off, so a local piece that is itself a subclass (an FSDP all-gather
+# extension's weight, a user's tensor type) would come out of ``detach``/``nn.Parameter``/any op
+# as a plain tensor -- unlike a DTensor without this hook, whose local ops see the subclass.
+_skip_hop = torch._C._skip_one_hop_torch_function
 _disabled = torch._C._disabled_torch_function_impl
+_OpOverload = torch._ops.OpOverload
 _grad_enabled = torch.is_grad_enabled
 _any_requires_grad = torch._C._any_requires_grad
 _dispatch_modes = torch._C._len_torch_dispatch_stack
@@ -99,9 +106,12 @@ def _const(a):
 
 def _ordinary(func, types_, args, kwargs):
     """The call the ordinary way: through autograd to ``__torch_dispatch__``."""
-    if kwargs is None:  # the C implementation hands kwargs to PyObject_Call as they are
-        return _disabled(func, types_, args)
-    return _disabled(func, types_, args, kwargs)
+    if type(func) is _OpOverload:
+        # an aten op called on DTensors from Python (a rule's or a composite kernel's
+        # ``op.decompose(...)`` arrives here as the overload itself): re-calling it would dispatch
+        # it from the top again, back into the same kernel, so it runs with the hooks off inside
+        return _disabled(func, types_, args, kwargs or {})
+    return _skip_hop(func, types_, args, kwargs)
 
 
 def _kwargs_key(kwargs, dts: list):
@@ -123,8 +133,7 @@ def torch_function(cls, func, types_, args=(), kwargs=None):
     # shortcut (getters, views, Python code) and calls autograd must record
     if func in _ORDINARY or (_grad_enabled() and (_any_requires_grad(*args) or (
             kwargs and _any_requires_grad(*kwargs.values())))):
-        return _disabled(func, types_, args, kwargs) if kwargs is not None else \
-            _disabled(func, types_, args)
+        return _ordinary(func, types_, args, kwargs)
     # The key: the function, grad mode, each DTensor's spec, every other argument as a constant
     # (specs are interned: hashing the key never calls back into Python). Built inline: this is
     # the hot path of every call on a DTensor.
@@ -166,7 +175,8 @@ def _learn(key, func, types_, args, kwargs, dts):
     try:
         out = _ordinary(func, types_, args, kwargs)
     finally:
-        _dispatch.RECORDERS.remove(recorder)
+        # by identity: a nested call's recorder (an empty list) would compare equal to another
+        del _dispatch.RECORDERS[next(i for i, r in enumerate(_dispatch.RECORDERS) if r is recorder)]
     if len(_SHORTCUTS) >= _dispatch._DECISIONS.max_size:
         _SHORTCUTS.clear()  # bounded like the decisions replays hold; relearning is one call
     if not (type(func) in _BUILTIN_TYPES or func in _PURE_PYTHON) or not recorder or (
@@ -332,20 +342,41 @@ def _runs_exactly(fn, op, args, kwargs) -> bool:
         {k: _const(v) for k, v in mkw.items()}
 
 
-# Off by default: with it installed, a parameter whose local piece is a tensor subclass (an FSDP
-# all-gather extension such as tests/test_fsdp_ext.py's Int8Weight) came out of fully_shard as a
-# plain tensor -- a replayed call that loses what the ordinary path keeps is a silent change, so
-# the shortcut stays opt-in until every test passes with it on.
 def install(on: bool = True) -> None:
-    """Install (or, with False, remove) the shortcut as DTensor's ``__torch_function__``."""
+    """Install (or, with False, remove) the shortcut as DTensor's ``__torch_function__``.
+
+    Installed at import unless the environment sets ``DTENSOR_LITE_FAST_PATH=0``; without it,
+    every call on a DTensor goes straight to ``__torch_dispatch__`` (same results, more
+    overhead per call).
+
+    Example::
+
+        >>> from dtensor_lite import _fast_path
+        >>> _fast_path.uninstall()   # e.g. to rule the shortcut out while debugging
+        >>> _fast_path.install()
+    """
     use_torch_function(torch_function if on else None)
 
 
+def uninstall() -> None:
+    """Remove the shortcut: DTensor's ``__torch_function__`` back to torch's disabled one."""
+    install(False)
+
+
+def installed() -> bool:
+    """Whether the shortcut is DTensor's ``__torch_function__`` now."""
+    return getattr(DTensor.__torch_function__, "__func__", None) is torch_function
+
+
 @contextlib.contextmanager
-def enabled():
-    """The shortcut installed for the duration of the block (restored to off after)."""
-    install(True)
+def enabled(on: bool = True):
+    """The shortcut installed (or, with False, removed) for the block; the previous state after."""
+    before = installed()
+    install(on)
     try:
         yield
     finally:
-        install(False)
+        install(before)
+
+
+install(os.environ.get("DTENSOR_LITE_FAST_PATH", "1") != "0")
