@@ -131,14 +131,16 @@ def _kwargs_key(kwargs, dts: list):
 def torch_function(cls, func, types_, args=(), kwargs=None):
     # first the calls that must run the ordinary way whatever their key: functions that never
     # shortcut (getters, views, Python code) and calls autograd must record
-    if func in _ORDINARY or (_grad_enabled() and (_any_requires_grad(*args) or (
-            kwargs and _any_requires_grad(*kwargs.values())))):
+    if func in _ORDINARY:
+        return _ordinary(func, types_, args, kwargs)
+    grad = _grad_enabled()
+    if grad and (_any_requires_grad(*args) or (kwargs and _any_requires_grad(*kwargs.values()))):
         return _ordinary(func, types_, args, kwargs)
     # The key: the function, grad mode, each DTensor's spec, every other argument as a constant
     # (specs are interned: hashing the key never calls back into Python). Built inline: this is
     # the hot path of every call on a DTensor.
     dts: list = []
-    key = [func, _grad_enabled()]
+    key = [func, grad]
     for a in args:
         if type(a) is DTensor:
             dts.append(a)
@@ -158,12 +160,12 @@ def torch_function(cls, func, types_, args=(), kwargs=None):
     if not dts or _dispatch_modes() or _autocast() or _fwad._current_level >= 0:
         return _ordinary(func, types_, args, kwargs)
     key = tuple(key)
-    replay = _SHORTCUTS.get(key)
-    if replay is None:
+    run = _SHORTCUTS.get(key)
+    if run is None:
         return _learn(key, func, types_, args, kwargs, dts)
-    if replay is not _NO_SHORTCUT:
+    if run is not _NO_SHORTCUT:
         try:
-            return replay.run(dts)
+            return run(dts)
         except Exception:  # noqa: BLE001 - the ordinary path reports and raises it
             pass
     return _ordinary(func, types_, args, kwargs)
@@ -183,7 +185,8 @@ def _learn(key, func, types_, args, kwargs, dts):
             isinstance(out, DTensor) and out is recorder[-1][4] and recorder[-1][0].is_view):
         _ORDINARY.add(func)  # whatever the arguments: no aten op, a view, or Python code
     else:
-        _SHORTCUTS[key] = _Replay.of(recorder, dts, out) or _NO_SHORTCUT
+        replay = _Replay.of(recorder, dts, out)
+        _SHORTCUTS[key] = _NO_SHORTCUT if replay is None else replay.runner()
     return out
 
 
@@ -247,6 +250,46 @@ class _Replay:
             r.single = _single_step(*steps[0])
         return r
 
+    def runner(self):
+        """``run``, or for the usual shape (one op, no write) a closure doing the same with
+        everything it reads bound in advance (no attribute lookups per call)."""
+        if self.single is None or self.written is not None:
+            return self.run
+        shape, stride, dtype, spec = self.shape, self.stride, self.dtype, self.spec
+        if stride == _contiguous(shape):
+            stride = None  # the wrapper computes contiguous strides itself, 0.15 us sooner
+        fn, base, slots, kw = self.steps[0]
+        # the usual argument shapes spelled out: one Python frame per call, not two
+        if not kw and slots == ((0, 0), (1, 1)) and len(base) == 2:
+            def run_two(dts):
+                out = fn(dts[0]._local_tensor, dts[1]._local_tensor)
+                r = _make_wrapper(DTensor, shape, stride, None, None, dtype, out.layout,
+                                  out.device)
+                r._local_tensor = out
+                r._spec = spec
+                return r
+            return run_two
+        if not kw and slots == ((0, 0),) and len(base) <= 2:
+            rest = tuple(base[1:])
+
+            def run_one(dts):
+                out = fn(dts[0]._local_tensor, *rest)
+                r = _make_wrapper(DTensor, shape, stride, None, None, dtype, out.layout,
+                                  out.device)
+                r._local_tensor = out
+                r._spec = spec
+                return r
+            return run_one
+        single = self.single
+
+        def run_single(dts):
+            out = single(dts)
+            r = _make_wrapper(DTensor, shape, stride, None, None, dtype, out.layout, out.device)
+            r._local_tensor = out
+            r._spec = spec
+            return r
+        return run_single
+
     def run(self, dts):
         if COPIED_VIEWS and self.written is not None:
             raise _Ordinary  # the ordinary path refuses writes into views that copied
@@ -269,6 +312,11 @@ class _Replay:
         r._local_tensor = out
         r._spec = self.spec
         return r
+
+
+def _contiguous(shape):
+    """The strides a wrapper built without strides gets."""
+    return torch.empty(shape, device="meta").stride()
 
 
 def _single_step(fn, base, slots, kw):
