@@ -390,6 +390,51 @@ def _runs_exactly(fn, op, args, kwargs) -> bool:
         {k: _const(v) for k, v in mkw.items()}
 
 
+# Metadata that a DTensor's wrapper answers without dispatching: with the hook installed, each
+# read of ``.shape`` or ``p.grad`` would enter ``__torch_function__`` from C++ (0.9 us, 7x the
+# read itself). Properties and methods of these names on DTensor answer from the wrapper with
+# the hook off for that one read (0.25 us). Only reads that run no op: ``data``, ``T`` and the
+# like dispatch, and keep the ordinary path.
+_GETTERS = ("shape", "dtype", "device", "ndim", "layout", "requires_grad", "grad", "grad_fn",
+            "is_leaf", "is_sparse", "is_cuda", "is_meta", "is_quantized", "is_nested", "_base",
+            "_version", "output_nr")
+_METHODS = ("size", "dim", "stride", "numel", "storage_offset", "element_size",
+            "get_device", "is_floating_point", "is_complex")
+_SET = {"requires_grad", "grad"}
+_DESCRIPTORS: dict = {}
+
+
+def _descriptor(name):
+    base = getattr(torch._C.TensorBase, name)
+    if name in _METHODS:
+        def method(self, *args, **kwargs):
+            return _disabled(base, (), (self, *args), kwargs)
+        method.__name__ = method.__qualname__ = name
+        method.__doc__ = base.__doc__
+        return method
+    get = base.__get__
+
+    def fget(self):
+        return _disabled(get, (), (self,))
+    if name not in _SET:
+        return property(fget, doc=base.__doc__)
+    set_ = base.__set__
+
+    def fset(self, value):
+        _disabled(set_, (), (self, value))
+    return property(fget, fset, doc=base.__doc__)
+
+
+def _use_descriptors(on: bool) -> None:
+    for name in (*_GETTERS, *_METHODS):
+        if on:
+            if name not in _DESCRIPTORS:
+                _DESCRIPTORS[name] = _descriptor(name)
+            setattr(DTensor, name, _DESCRIPTORS[name])
+        elif name in DTensor.__dict__:
+            delattr(DTensor, name)
+
+
 def install(on: bool = True) -> None:
     """Install (or, with False, remove) the shortcut as DTensor's ``__torch_function__``.
 
@@ -404,6 +449,7 @@ def install(on: bool = True) -> None:
         >>> _fast_path.install()
     """
     use_torch_function(torch_function if on else None)
+    _use_descriptors(on)
 
 
 def uninstall() -> None:

@@ -166,3 +166,31 @@ def test_local_piece_subclasses_survive_ordinary_and_replayed_calls():
             assert isinstance(out, DTensor) and type(out.to_local()) is sub, type(out.to_local())
             torch.testing.assert_close(out.to_local().as_subclass(torch.Tensor) if sub is
                                        _FunctionSub else out.to_local().inner, ref.chunk(2)[rank])
+
+
+@distributed(world_size=2)
+def test_metadata_reads_answer_as_without_the_hook():
+    # DTensor's metadata properties/methods (installed with the shortcut) read the wrapper with
+    # the hook off; uninstall() restores torch's descriptors
+    from dtensor_lite import _fast_path
+    mesh = init_device_mesh("cpu", (2,))
+    a = distribute_tensor(torch.randn(6, 4), mesh, [Shard(0)]).requires_grad_()
+    a.sum().backward()
+
+    def reads(t):
+        return (t.shape, t.dtype, t.device, t.ndim, t.layout, t.requires_grad, t.grad.shape,
+                t.is_leaf, t.grad_fn, t.is_cuda, t.is_sparse, t.size(), t.size(-1), t.dim(),
+                t.stride(), t.numel(), t.element_size(), t.is_floating_point(),
+                (t * 2).grad_fn is not None, t.view(4, 6).shape)
+    with _fast_path.enabled(True):
+        assert "shape" in DTensor.__dict__
+        on = reads(a)
+        b = a.detach()
+        b.requires_grad = True
+        b.grad = torch.ones_like(b)
+        assert b.requires_grad and b.grad.shape == (6, 4)
+        b.grad = None
+        assert b.grad is None
+    with _fast_path.enabled(False):
+        assert "shape" not in DTensor.__dict__
+        assert reads(a) == on
