@@ -58,8 +58,8 @@ def _key(a, dts: list):
         return a._spec
     if t in _NUMBER_TYPES:
         return (t, a)  # 1, 1.0 and True promote differently: keep the type in the key
-    if t is list or t is tuple:
-        return (t, tuple([_key(x, dts) for x in a]))
+    if t is list or t is tuple:  # ints inline (shapes, dims): the key _key would give them
+        return (t, tuple([(int, x) if type(x) is int else _key(x, dts) for x in a]))
     if isinstance(a, DTensor):
         dts.append(a)
         return a._spec

@@ -25,6 +25,13 @@ When the shortcut is not taken (every check is made per call, each a C-level rea
   trackers, torch's ``CommDebugMode``: they must see every aten op), or autocast is on (it
   inserts casts). (dtensor_lite's ``CommDebugMode`` counts collectives: a replay has none.)
 
+Installed at import; ``DTENSOR_LITE_FAST_PATH=0`` in the environment (or ``uninstall()``) leaves
+every call to ``__torch_dispatch__``. The ordinary way skips only DTensor's own hook for the call
+(``_skip_one_hop_torch_function``), so a local piece that is a tensor subclass keeps its own
+``__torch_function__`` (and its type) as without the hook. Metadata reads that dispatch nothing
+(``.shape``, ``.grad``, ``size()``, ...) are DTensor properties installed with the hook, which
+read the wrapper without entering it (``_GETTERS``).
+
 A kernel error in a replay re-runs the call the ordinary way, which reports it to the other ranks
 (``_failures``) as any dispatched op does. The cache is cleared with the decisions it replays.
 Dynamo treats DTensor as a traceable wrapper subclass and never calls this hook while tracing.
