@@ -70,6 +70,7 @@ _fwad = torch.autograd.forward_ad
 _RANDOM = torch.Tag.nondeterministic_seeded
 _INPLACE_VIEW = torch.Tag.inplace_view
 _increment_version = torch._C._increment_version
+_RECORDERS = _dispatch.RECORDERS  # the list itself: learns append to and remove from it in place
 
 
 class _Ordinary(Exception):
@@ -164,7 +165,9 @@ def torch_function(cls, func, types_, args=(), kwargs=None):
         key.append(c)
     # functorch transforms need no check: inside them the arguments are batched or grad-tracking
     # tensors, not DTensors
-    if not dts or _dispatch_modes() or _autocast() or _fwad._current_level >= 0:
+    # a call inside a call being learned (a composite's Python kernel) runs the ordinary way: a
+    # replay there would hide its ops from the outer call's recording
+    if not dts or _dispatch_modes() or _autocast() or _fwad._current_level >= 0 or _RECORDERS:
         return _ordinary(func, types_, args, kwargs)
     key = tuple(key)
     run = _SHORTCUTS.get(key)

@@ -59,6 +59,13 @@ def test_replayed_calls_match_plain_torch():
         for out in _replays(ours):
             assert isinstance(out, DTensor) and out.placements == (Shard(0),)
             torch.testing.assert_close(out.full_tensor(), ref(), **tol)
+    # a composite whose Python kernel calls DTensor functions itself (linear on sequence shards
+    # runs local_map): learned and replayed whole, or not at all
+    z = torch.randn(2, 4, 4)
+    s3 = distribute_tensor(z, mesh, [Shard(1)])
+    for out in _replays(lambda: F.linear(s3, dw)):
+        assert out.placements == (Shard(1),)
+        torch.testing.assert_close(out.full_tensor(), F.linear(z, w))
     # a key learned from two distinct tensors replays ``a + a`` by position: still a + a
     _replays(lambda: a + b)
     torch.testing.assert_close((a + a).full_tensor(), x + x)
