@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import types
 
 import torch
@@ -89,12 +90,25 @@ _ORDINARY: set = _caches.register_decisions(set())
 _SHORTCUTS: dict = _caches.register_decisions({})
 def _ordinary(func, types_, args, kwargs):
     """The call the ordinary way: through autograd to ``__torch_dispatch__``."""
-    if type(func) is _OpOverload:
+    if type(func) in _BUILTIN_TYPES:
+        return _skip_hop(func, types_, args, kwargs)
+    if type(func) is _OpOverload or (_ident(), func) in _IN_FLIGHT:
         # an aten op called on DTensors from Python (a rule's or a composite kernel's
-        # ``op.decompose(...)`` arrives here as the overload itself): re-calling it would dispatch
-        # it from the top again, back into the same kernel, so it runs with the hooks off inside
+        # ``op.decompose(...)`` arrives here as the overload itself), or a Python function
+        # (``Tensor.unflatten``) whose C method reports the call again under the same name:
+        # calling either once more would come back here, so it runs with the hooks off inside
         return _disabled(func, types_, args, kwargs or {})
-    return _skip_hop(func, types_, args, kwargs)
+    flight = (_ident(), func)
+    _IN_FLIGHT.add(flight)
+    try:
+        return _skip_hop(func, types_, args, kwargs)
+    finally:
+        _IN_FLIGHT.discard(flight)
+
+
+# (thread, Python function) pairs running the ordinary way now
+_IN_FLIGHT: set = set()
+_ident = threading.get_ident
 
 
 def _kwargs_key(kwargs, dts: list):
