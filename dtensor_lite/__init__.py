@@ -8,7 +8,7 @@ from .spec import DTensorSpec, TensorMeta
 from .dtensor import DTensor
 from . import ops  # noqa: F401  (registers the sharding rules)
 from . import _dispatch  # noqa: F401  (installs itself as DTensor's op dispatcher)
-from . import _fast_path  # noqa: F401  (DTensor's __torch_function__ shortcut: opt-in, install())
+from . import _fast_path  # noqa: F401  (DTensor's __torch_function__ shortcut; DTENSOR_LITE_FAST_PATH=0 turns it off)
 from .redistribute import explain_redistribute, RedistributePlan
 from .factories import (distribute_tensor, distribute_module, zeros, ones, empty, full, rand, randn)
 from . import checkpoint, debug, experimental, placement_types, random

@@ -31,6 +31,8 @@ from torch.utils._pytree import tree_map
 
 from . import _aliasing, _caches, _failures, _fallback, debug, debug_state
 from ._aliasing import COPIED_VIEWS
+from ._compile import is_traced
+from ._quick_call import quick_callable
 from .dtensor import DTensor, use_dispatcher
 from .ops import _registry
 from .ops._expansion import expand_strategies
@@ -60,8 +62,8 @@ def _key(a, dts: list):
         return a._spec
     if t in _NUMBER_TYPES:
         return (t, a)  # 1, 1.0 and True promote differently: keep the type in the key
-    if t is list or t is tuple:
-        return (t, tuple([_key(x, dts) for x in a]))
+    if t is list or t is tuple:  # ints inline (shapes, dims): the key _key would give them
+        return (t, tuple([(int, x) if type(x) is int else _key(x, dts) for x in a]))
     if isinstance(a, DTensor):
         dts.append(a)
         return a._spec
@@ -504,6 +506,13 @@ def _decide_on_one_mesh(op, args, kwargs, dts):
     d.flat_positions = tuple(positions) if flat else None
     # the common case that dispatch() runs inline: nothing to move, one fresh tensor out
     d.fast = not d.needs_redistribute and d.flat_positions is not None and d.out_kind == "tensor"
+    if full.local_fn is None and not d.needs_redistribute and d.flat_positions is not None and \
+            not torch._C._len_torch_dispatch_stack() and not is_traced(dts[0]._local_tensor):
+        # torch.<name> / Tensor.<name> where it runs exactly this op on these local pieces
+        local_args = list(args)
+        for pos in d.flat_positions:
+            local_args[pos] = args[pos]._local_tensor
+        d.local_fn = quick_callable(op, local_args, kwargs, d.local_fn)
     return d
 
 

@@ -25,6 +25,13 @@ When the shortcut is not taken (every check is made per call, each a C-level rea
   trackers, torch's ``CommDebugMode``: they must see every aten op), or autocast is on (it
   inserts casts). (dtensor_lite's ``CommDebugMode`` counts collectives: a replay has none.)
 
+Installed at import; ``DTENSOR_LITE_FAST_PATH=0`` in the environment (or ``uninstall()``) leaves
+every call to ``__torch_dispatch__``. The ordinary way skips only DTensor's own hook for the call
+(``_skip_one_hop_torch_function``), so a local piece that is a tensor subclass keeps its own
+``__torch_function__`` (and its type) as without the hook. Metadata reads that dispatch nothing
+(``.shape``, ``.grad``, ``size()``, ...) are DTensor properties installed with the hook, which
+read the wrapper without entering it (``_GETTERS``).
+
 A kernel error in a replay re-runs the call the ordinary way, which reports it to the other ranks
 (``_failures``) as any dispatched op does. The cache is cleared with the decisions it replays.
 Dynamo treats DTensor as a traceable wrapper subclass and never calls this hook while tracing.
@@ -32,21 +39,29 @@ Dynamo treats DTensor as a traceable wrapper subclass and never calls this hook 
 from __future__ import annotations
 
 import contextlib
-
+import os
+import threading
 import types
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from . import _caches, _dispatch
 from ._aliasing import COPIED_VIEWS
+from ._quick_call import const as _const, quick_callable as _quick_callable
 from ._dispatch import _Decision
 from .dtensor import DTensor, use_torch_function
 
 __all__ = ["torch_function"]
 
+# The ordinary path skips DTensor's hook for this one call only. Not
+# ``_disabled_torch_function_impl``: that runs the whole call with every subclass's
+# ``__torch_function__`` off, so a local piece that is itself a subclass (an FSDP all-gather
+# extension's weight, a user's tensor type) would come out of ``detach``/``nn.Parameter``/any op
+# as a plain tensor -- unlike a DTensor without this hook, whose local ops see the subclass.
+_skip_hop = torch._C._skip_one_hop_torch_function
 _disabled = torch._C._disabled_torch_function_impl
+_OpOverload = torch._ops.OpOverload
 _grad_enabled = torch.is_grad_enabled
 _any_requires_grad = torch._C._any_requires_grad
 _dispatch_modes = torch._C._len_torch_dispatch_stack
@@ -56,6 +71,7 @@ _fwad = torch.autograd.forward_ad
 _RANDOM = torch.Tag.nondeterministic_seeded
 _INPLACE_VIEW = torch.Tag.inplace_view
 _increment_version = torch._C._increment_version
+_RECORDERS = _dispatch.RECORDERS  # the list itself: learns append to and remove from it in place
 
 
 class _Ordinary(Exception):
@@ -72,36 +88,27 @@ _ORDINARY: set = _caches.register_decisions(set())
 
 # key -> _Replay or _NO_SHORTCUT; cleared with the decisions the replays hold, and when full
 _SHORTCUTS: dict = _caches.register_decisions({})
-_CONSTANT_TYPES = (int, bool, str, type(None), torch.dtype, torch.device, torch.memory_format,
-                   torch.layout)
-
-
-def _const(a):
-    """Hashable stand-in for a non-DTensor argument the replay may bake in; None if it cannot be
-    (a plain tensor, an object whose equality is not identity of meaning)."""
-    t = type(a)
-    if t is float:
-        return (t, a) if a else (t, repr(a))  # 0.0 == -0.0 but they multiply differently
-    if t in _CONSTANT_TYPES:
-        return (t, a)
-    if t is tuple or t is list or t is torch.Size:
-        parts = []
-        for x in a:
-            c = _const(x)
-            if c is None:
-                return None
-            parts.append(c)
-        return (t, tuple(parts))
-    if t is complex:
-        return (t, repr(a))
-    return None
-
-
 def _ordinary(func, types_, args, kwargs):
     """The call the ordinary way: through autograd to ``__torch_dispatch__``."""
-    if kwargs is None:  # the C implementation hands kwargs to PyObject_Call as they are
-        return _disabled(func, types_, args)
-    return _disabled(func, types_, args, kwargs)
+    if type(func) in _BUILTIN_TYPES:
+        return _skip_hop(func, types_, args, kwargs)
+    if type(func) is _OpOverload or (_ident(), func) in _IN_FLIGHT:
+        # an aten op called on DTensors from Python (a rule's or a composite kernel's
+        # ``op.decompose(...)`` arrives here as the overload itself), or a Python function
+        # (``Tensor.unflatten``) whose C method reports the call again under the same name:
+        # calling either once more would come back here, so it runs with the hooks off inside
+        return _disabled(func, types_, args, kwargs or {})
+    flight = (_ident(), func)
+    _IN_FLIGHT.add(flight)
+    try:
+        return _skip_hop(func, types_, args, kwargs)
+    finally:
+        _IN_FLIGHT.discard(flight)
+
+
+# (thread, Python function) pairs running the ordinary way now
+_IN_FLIGHT: set = set()
+_ident = threading.get_ident
 
 
 def _kwargs_key(kwargs, dts: list):
@@ -121,15 +128,16 @@ def _kwargs_key(kwargs, dts: list):
 def torch_function(cls, func, types_, args=(), kwargs=None):
     # first the calls that must run the ordinary way whatever their key: functions that never
     # shortcut (getters, views, Python code) and calls autograd must record
-    if func in _ORDINARY or (_grad_enabled() and (_any_requires_grad(*args) or (
-            kwargs and _any_requires_grad(*kwargs.values())))):
-        return _disabled(func, types_, args, kwargs) if kwargs is not None else \
-            _disabled(func, types_, args)
+    if func in _ORDINARY:
+        return _ordinary(func, types_, args, kwargs)
+    grad = _grad_enabled()
+    if grad and (_any_requires_grad(*args) or (kwargs and _any_requires_grad(*kwargs.values()))):
+        return _ordinary(func, types_, args, kwargs)
     # The key: the function, grad mode, each DTensor's spec, every other argument as a constant
     # (specs are interned: hashing the key never calls back into Python). Built inline: this is
     # the hot path of every call on a DTensor.
     dts: list = []
-    key = [func, _grad_enabled()]
+    key = [func, grad]
     for a in args:
         if type(a) is DTensor:
             dts.append(a)
@@ -146,15 +154,17 @@ def torch_function(cls, func, types_, args=(), kwargs=None):
         key.append(c)
     # functorch transforms need no check: inside them the arguments are batched or grad-tracking
     # tensors, not DTensors
-    if not dts or _dispatch_modes() or _autocast() or _fwad._current_level >= 0:
+    # a call inside a call being learned (a composite's Python kernel) runs the ordinary way: a
+    # replay there would hide its ops from the outer call's recording
+    if not dts or _dispatch_modes() or _autocast() or _fwad._current_level >= 0 or _RECORDERS:
         return _ordinary(func, types_, args, kwargs)
     key = tuple(key)
-    replay = _SHORTCUTS.get(key)
-    if replay is None:
+    run = _SHORTCUTS.get(key)
+    if run is None:
         return _learn(key, func, types_, args, kwargs, dts)
-    if replay is not _NO_SHORTCUT:
+    if run is not _NO_SHORTCUT:
         try:
-            return replay.run(dts)
+            return run(dts)
         except Exception:  # noqa: BLE001 - the ordinary path reports and raises it
             pass
     return _ordinary(func, types_, args, kwargs)
@@ -166,14 +176,16 @@ def _learn(key, func, types_, args, kwargs, dts):
     try:
         out = _ordinary(func, types_, args, kwargs)
     finally:
-        _dispatch.RECORDERS.remove(recorder)
+        # by identity: a nested call's recorder (an empty list) would compare equal to another
+        del _dispatch.RECORDERS[next(i for i, r in enumerate(_dispatch.RECORDERS) if r is recorder)]
     if len(_SHORTCUTS) >= _dispatch._DECISIONS.max_size:
         _SHORTCUTS.clear()  # bounded like the decisions replays hold; relearning is one call
     if not (type(func) in _BUILTIN_TYPES or func in _PURE_PYTHON) or not recorder or (
             isinstance(out, DTensor) and out is recorder[-1][4] and recorder[-1][0].is_view):
         _ORDINARY.add(func)  # whatever the arguments: no aten op, a view, or Python code
     else:
-        _SHORTCUTS[key] = _Replay.of(recorder, dts, out) or _NO_SHORTCUT
+        replay = _Replay.of(recorder, dts, out)
+        _SHORTCUTS[key] = _NO_SHORTCUT if replay is None else replay.runner()
     return out
 
 
@@ -237,6 +249,46 @@ class _Replay:
             r.single = _single_step(*steps[0])
         return r
 
+    def runner(self):
+        """``run``, or for the usual shape (one op, no write) a closure doing the same with
+        everything it reads bound in advance (no attribute lookups per call)."""
+        if self.single is None or self.written is not None:
+            return self.run
+        shape, stride, dtype, spec = self.shape, self.stride, self.dtype, self.spec
+        if stride == _contiguous(shape):
+            stride = None  # the wrapper computes contiguous strides itself, 0.15 us sooner
+        fn, base, slots, kw = self.steps[0]
+        # the usual argument shapes spelled out: one Python frame per call, not two
+        if not kw and slots == ((0, 0), (1, 1)) and len(base) == 2:
+            def run_two(dts):
+                out = fn(dts[0]._local_tensor, dts[1]._local_tensor)
+                r = _make_wrapper(DTensor, shape, stride, None, None, dtype, out.layout,
+                                  out.device)
+                r._local_tensor = out
+                r._spec = spec
+                return r
+            return run_two
+        if not kw and slots == ((0, 0),) and len(base) <= 2:
+            rest = tuple(base[1:])
+
+            def run_one(dts):
+                out = fn(dts[0]._local_tensor, *rest)
+                r = _make_wrapper(DTensor, shape, stride, None, None, dtype, out.layout,
+                                  out.device)
+                r._local_tensor = out
+                r._spec = spec
+                return r
+            return run_one
+        single = self.single
+
+        def run_single(dts):
+            out = single(dts)
+            r = _make_wrapper(DTensor, shape, stride, None, None, dtype, out.layout, out.device)
+            r._local_tensor = out
+            r._spec = spec
+            return r
+        return run_single
+
     def run(self, dts):
         if COPIED_VIEWS and self.written is not None:
             raise _Ordinary  # the ordinary path refuses writes into views that copied
@@ -259,6 +311,11 @@ class _Replay:
         r._local_tensor = out
         r._spec = self.spec
         return r
+
+
+def _contiguous(shape):
+    """The strides a wrapper built without strides gets."""
+    return torch.empty(shape, device="meta").stride()
 
 
 def _single_step(fn, base, slots, kw):
@@ -286,66 +343,87 @@ def _single_step(fn, base, slots, kw):
     return call
 
 
-class _SeenOps(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.seen = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.seen.append((func, args, kwargs or {}))
-        return func(*args, **(kwargs or {}))
-
-
-def _quick_callable(op, args, kwargs, local_fn):
-    """``torch.<name>`` or ``Tensor.<name>``, which parse their arguments in generated C++ (0.5 us
-    less than the op overload's generic parser), if calling one with these arguments on plain
-    tensors of these local shapes runs exactly ``op`` (checked once, on meta tensors); else
-    ``local_fn``."""
-    if local_fn is not getattr(op, "_op", None):
-        return local_fn  # a rule's own local function
-    name = op._schema.name.split("::")[-1]
-    for fn in (getattr(torch._C._VariableFunctions, name, None), getattr(torch.Tensor, name, None)):
-        if fn is not None and _runs_exactly(fn, op, args, kwargs):
-            return fn
-    return local_fn
+# Metadata that a DTensor's wrapper answers without dispatching: with the hook installed, each
+# read of ``.shape`` or ``p.grad`` would enter ``__torch_function__`` from C++ (0.9 us, 7x the
+# read itself). Properties and methods of these names on DTensor answer from the wrapper with
+# the hook off for that one read (0.25 us). Only reads that run no op: ``data``, ``T`` and the
+# like dispatch, and keep the ordinary path.
+_GETTERS = ("shape", "dtype", "device", "ndim", "layout", "requires_grad", "grad", "grad_fn",
+            "is_leaf", "is_sparse", "is_cuda", "is_meta", "is_quantized", "is_nested", "_base",
+            "_version", "output_nr")
+_METHODS = ("size", "dim", "stride", "numel", "storage_offset", "element_size",
+            "get_device", "is_floating_point", "is_complex")
+_SET = {"requires_grad", "grad"}
+_DESCRIPTORS: dict = {}
 
 
-def _runs_exactly(fn, op, args, kwargs) -> bool:
-    """Whether ``fn(*args, **kwargs)`` dispatches ``op`` alone, with these arguments (tried on
-    meta tensors of the same shapes and strides)."""
-    def meta(a):
-        return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta") \
-            if isinstance(a, torch.Tensor) else a
-    margs = [meta(a) for a in args]
-    mkw = {k: meta(v) for k, v in kwargs.items()}
-    try:
-        with _SeenOps() as mode:
-            fn(*margs, **mkw)
-    except Exception:  # noqa: BLE001 - another overload or signature: not this one
-        return False
-    if len(mode.seen) != 1 or mode.seen[0][0] is not op:
-        return False
-    _, sargs, skw = mode.seen[0]
-    return len(sargs) == len(margs) and all(
-        x is y or (not isinstance(x, torch.Tensor) and _const(x) == _const(y))
-        for x, y in zip(sargs, margs)) and {k: _const(v) for k, v in skw.items()} == \
-        {k: _const(v) for k, v in mkw.items()}
+def _descriptor(name):
+    base = getattr(torch._C.TensorBase, name)
+    if name in _METHODS:
+        def method(self, *args, **kwargs):
+            return _disabled(base, (), (self, *args), kwargs)
+        method.__name__ = method.__qualname__ = name
+        method.__doc__ = base.__doc__
+        return method
+    get = base.__get__
+
+    def fget(self):
+        return _disabled(get, (), (self,))
+    if name not in _SET:
+        return property(fget, doc=base.__doc__)
+    set_ = base.__set__
+
+    def fset(self, value):
+        _disabled(set_, (), (self, value))
+    return property(fget, fset, doc=base.__doc__)
 
 
-# Off by default: with it installed, a parameter whose local piece is a tensor subclass (an FSDP
-# all-gather extension such as tests/test_fsdp_ext.py's Int8Weight) came out of fully_shard as a
-# plain tensor -- a replayed call that loses what the ordinary path keeps is a silent change, so
-# the shortcut stays opt-in until every test passes with it on.
+def _use_descriptors(on: bool) -> None:
+    for name in (*_GETTERS, *_METHODS):
+        if on:
+            if name not in _DESCRIPTORS:
+                _DESCRIPTORS[name] = _descriptor(name)
+            setattr(DTensor, name, _DESCRIPTORS[name])
+        elif name in DTensor.__dict__:
+            delattr(DTensor, name)
+
+
 def install(on: bool = True) -> None:
-    """Install (or, with False, remove) the shortcut as DTensor's ``__torch_function__``."""
+    """Install (or, with False, remove) the shortcut as DTensor's ``__torch_function__``.
+
+    Installed at import unless the environment sets ``DTENSOR_LITE_FAST_PATH=0``; without it,
+    every call on a DTensor goes straight to ``__torch_dispatch__`` (same results, more
+    overhead per call).
+
+    Example::
+
+        >>> from dtensor_lite import _fast_path
+        >>> _fast_path.uninstall()   # e.g. to rule the shortcut out while debugging
+        >>> _fast_path.install()
+    """
     use_torch_function(torch_function if on else None)
+    _use_descriptors(on)
+
+
+def uninstall() -> None:
+    """Remove the shortcut: DTensor's ``__torch_function__`` back to torch's disabled one."""
+    install(False)
+
+
+def installed() -> bool:
+    """Whether the shortcut is DTensor's ``__torch_function__`` now."""
+    return getattr(DTensor.__torch_function__, "__func__", None) is torch_function
 
 
 @contextlib.contextmanager
-def enabled():
-    """The shortcut installed for the duration of the block (restored to off after)."""
-    install(True)
+def enabled(on: bool = True):
+    """The shortcut installed (or, with False, removed) for the block; the previous state after."""
+    before = installed()
+    install(on)
     try:
         yield
     finally:
-        install(False)
+        install(before)
+
+
+install(os.environ.get("DTENSOR_LITE_FAST_PATH", "1") != "0")

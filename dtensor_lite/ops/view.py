@@ -288,9 +288,12 @@ def _misaligned_groups(spec, ins, outs, in_order, out_order, old, new, groups):
 def _viewing(op):
     """``op(x, shape)`` on a local piece, copying when the piece's strides allow no view (a
     gathered or strided piece: the global tensor's strides say nothing about the local ones)."""
+    # aten.view through Tensor.view: the same op, parsed in generated C++ (1 us less per call)
+    call = torch.Tensor.view if op is aten.view.default else op
+
     def local_op(x, shape):
         try:
-            return op(x, shape)
+            return call(x, shape)
         except (RuntimeError, ValueError):  # fake tensors (torch.compile) raise ValueError
             return aten.reshape.default(x, shape)
     return local_op

@@ -1,0 +1,86 @@
+"""Cheaper callables for aten ops on plain (local) tensors, checked once to run exactly the op.
+
+Calling an aten op overload from Python parses its arguments with the generic schema parser;
+``torch.<name>`` / ``Tensor.<name>`` parse them in generated C++, 0.3-0.7 us sooner per call.
+Whether such a function runs exactly the overload (not another overload, not a decomposition)
+with given arguments is checked once, on meta tensors of the same shapes and strides; the
+dispatcher's cached decisions and ``_fast_path``'s replays then call it on every hit.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+__all__ = ["const", "quick_callable"]
+
+_CONSTANT_TYPES = (int, bool, str, type(None), torch.dtype, torch.device, torch.memory_format,
+                   torch.layout)
+
+
+def const(a):
+    """Hashable stand-in for a non-DTensor argument the replay may bake in; None if it cannot be
+    (a plain tensor, an object whose equality is not identity of meaning)."""
+    t = type(a)
+    if t is float:
+        return (t, a) if a else (t, repr(a))  # 0.0 == -0.0 but they multiply differently
+    if t in _CONSTANT_TYPES:
+        return (t, a)
+    if t is tuple or t is list or t is torch.Size:
+        parts = []
+        for x in a:
+            c = const(x)
+            if c is None:
+                return None
+            parts.append(c)
+        return (t, tuple(parts))
+    if t is complex:
+        return (t, repr(a))
+    return None
+
+
+class _SeenOps(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.seen.append((func, args, kwargs or {}))
+        return func(*args, **(kwargs or {}))
+
+
+def quick_callable(op, args, kwargs, local_fn):
+    """``torch.<name>`` or ``Tensor.<name>``, which parse their arguments in generated C++ (0.5 us
+    less than the op overload's generic parser), if calling one with these arguments on plain
+    tensors of these local shapes runs exactly ``op`` (checked once, on meta tensors); else
+    ``local_fn``."""
+    if local_fn is not getattr(op, "_op", None):
+        return local_fn  # a rule's own local function
+    name = op._schema.name.split("::")[-1]
+    for fn in (getattr(torch._C._VariableFunctions, name, None), getattr(torch.Tensor, name, None)):
+        if fn is not None and runs_exactly(fn, op, args, kwargs):
+            return fn
+    return local_fn
+
+
+def runs_exactly(fn, op, args, kwargs) -> bool:
+    """Whether ``fn(*args, **kwargs)`` dispatches ``op`` alone, with these arguments (tried on
+    meta tensors of the same shapes and strides)."""
+    def meta(a):
+        return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta") \
+            if isinstance(a, torch.Tensor) else a
+    margs = [meta(a) for a in args]
+    mkw = {k: meta(v) for k, v in kwargs.items()}
+    try:
+        with _SeenOps() as mode:
+            fn(*margs, **mkw)
+    except Exception:  # noqa: BLE001 - another overload or signature: not this one
+        return False
+    if len(mode.seen) != 1 or mode.seen[0][0] is not op:
+        return False
+    _, sargs, skw = mode.seen[0]
+    return len(sargs) == len(margs) and all(
+        x is y or (not isinstance(x, torch.Tensor) and const(x) == const(y))
+        for x, y in zip(sargs, margs)) and {k: const(v) for k, v in skw.items()} == \
+        {k: const(v) for k, v in mkw.items()}
+
+
