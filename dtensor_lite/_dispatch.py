@@ -31,7 +31,7 @@ from torch.utils._pytree import tree_map
 
 from . import _aliasing, _caches, _failures, _fallback, debug, debug_state
 from ._aliasing import COPIED_VIEWS
-from ._compile import is_traced
+from .compile_support import is_traced
 from ._quick_call import quick_callable
 from .dtensor import DTensor, use_dispatcher
 from .ops import _registry
