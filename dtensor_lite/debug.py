@@ -264,7 +264,8 @@ class CommDebugMode:
         self._reset()  # as torch's: each entry counts from zero
         self._hooks = [torch.nn.modules.module.register_module_forward_pre_hook(self._pre_forward)]
         self._exit_hooks = {}
-        self._tracker = _leafless_mod_tracker_class()().__enter__()
+        self._tracker = (_leafless_mod_tracker_class()().__enter__() if self._follows_backward
+                         else None)
         COMM_SINKS.append(self._add)
         return self
 
@@ -274,11 +275,16 @@ class CommDebugMode:
             h.remove()
         self._hooks = []
         self._exit_hooks = {}
-        self._tracker.__exit__()
+        if self._tracker is not None:
+            self._tracker.__exit__()
         self._tracker = None
         return False
 
     _tracker = None  # torch's ModTracker while the mode is entered: which module runs backward
+    # whether to follow modules through backward (comm_module_counts' "backward" phase); its
+    # multi-grad hooks hold their nodes in reference cycles, which keep a retained graph's
+    # saved tensors alive until Python's gc runs (the meter of dtensor_lite.plan turns it off)
+    _follows_backward = True
 
     def __repr__(self):
         return f"CommDebugMode(get_total_counts()={self.get_total_counts()})"

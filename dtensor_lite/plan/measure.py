@@ -15,8 +15,10 @@ Categories are those of :mod:`dtensor_lite.memory_categories` (shared with the m
 * ``activations``: storages created during forward (and the loss) that are still alive when
   backward begins, other than parameters: what autograd, activation checkpointing (the inputs it
   keeps, the outputs selective checkpointing saves) and the loss hold for backward. Seen by a
-  dispatch mode that notes every fresh output storage; backward begins at the first unpack of a
-  saved tensor.
+  dispatch mode that notes every fresh output storage; backward begins at the first op the
+  autograd engine runs (no saved-tensor hooks: a hook's packed tensor can hold its own node, a
+  reference cycle that keeps a retained graph's saved tensors alive for good -- the zero-bubble
+  schedules' input-gradient pass retains its graph -- where a run without the meter frees them).
 * ``unsharded_params``: storages that modules expose as parameters during forward but that are
   not the sharded parameters (FSDP's gathered ones); the peak of their live bytes is sampled at
   every module's forward exit and every collective, in forward and backward.
@@ -72,9 +74,10 @@ class _StepMode(TorchDispatchMode):
     ``tracking``, keeps the running total of the storages created since tracking began and still
     alive, and its peak (each storage leaves the total when it is freed: a weakref callback)."""
 
-    def __init__(self):
+    def __init__(self, on_backward=None):
         super().__init__()
         self.recording = False
+        self.on_backward = on_backward   # called at the first op autograd's engine runs
         self.created: dict[int, weakref.ref] = {}  # storage key -> weakref, created in forward
         self.flops = 0
         self.tracking = False
@@ -92,6 +95,9 @@ class _StepMode(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self.recording and self.on_backward is not None \
+                and torch._C._current_graph_task_id() != -1:
+            self.on_backward()   # backward has begun: recording stops
         out = func(*args, **kwargs)
         packet = func._overloadpacket
         if packet in _FLOPS:
@@ -202,12 +208,11 @@ class StepMeter:
         self.flops = 0
         self.peak_bytes = 0   # see the class docstring
         self.comm = _SamplingComm(self)
-        self._mode = _StepMode()
+        self._mode = _StepMode(self._end_forward)
         self._sharded: set[int] = set()
         self._unsharded: dict[int, weakref.ref] = {}
         self._peak_unsharded = 0
         self._handles = []
-        self._saved_hooks = None
 
     # ---------------------------------------------------------------- sampling
     def _unsharded_live(self) -> int:
@@ -224,14 +229,6 @@ class StepMeter:
                 if s._cdata not in self._sharded and s._cdata not in self._unsharded:
                     self._unsharded[s._cdata] = weakref.ref(s)
         self.sample()
-
-    def _pack(self, t):
-        return t
-
-    def _unpack(self, t):
-        if self._mode.recording:  # the first unpack: backward has begun
-            self._end_forward()
-        return t
 
     def _end_forward(self):
         self._mode.recording = False
@@ -264,8 +261,6 @@ class StepMeter:
             nn.modules.module.register_module_forward_hook(self._after_forward),
             self.optimizer.register_step_pre_hook(self._pre_step),
             self.optimizer.register_step_post_hook(self._post_step)]
-        self._saved_hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._saved_hooks.__enter__()
         self.comm.__enter__()
         self._mode.__enter__()
         self._mode.recording = True
@@ -284,7 +279,6 @@ class StepMeter:
             self._end_forward()
         self._mode.__exit__(*exc)
         self.comm.__exit__(*exc)
-        self._saved_hooks.__exit__(*exc)
         for h in self._handles:
             h.remove()
         self.flops = self._mode.flops
@@ -297,7 +291,11 @@ class StepMeter:
 
 
 class _SamplingComm(CommDebugMode):
-    """CommDebugMode that also samples the meter's unsharded bytes at every collective."""
+    """CommDebugMode that also samples the meter's unsharded bytes at every collective. It does
+    not follow modules through backward: torch's module tracker would keep what the zero-bubble
+    schedules' input-gradient pass retains alive until Python's gc runs, memory that the run
+    without the meter frees at its weight pass."""
+    _follows_backward = False
 
     def __init__(self, meter: StepMeter):
         super().__init__()
