@@ -156,6 +156,27 @@ def test_histc_with_a_range_is_partial(dim):
 
 
 @distributed(world_size=4)
+def test_narrow_copy_keeps_the_shards():
+    """narrow_copy has the slice rule's placements (it had no rule: the fallback gathered the
+    whole input): a narrow of an unsharded dim moves nothing, one of the sharded dim keeps the
+    pieces each rank holds, and a bad range is torch's error."""
+    from dtensor_lite import Shard, distribute_tensor
+    from dtensor_lite.debug import CommDebugMode
+    mesh, _ = _meshes((4,))
+    a = torch.randn(8, 6, 5)
+    x = distribute_tensor(a, mesh, [Shard(0)])
+    for args in [(1, 2, 2), (2, -3, 3), (0, 2, 4), (0, 0, 8), (0, 3, 0)]:
+        with CommDebugMode() as comm:
+            got = torch.narrow_copy(x, *args)
+        want = torch.narrow_copy(a, *args)
+        if args[0] != 0:
+            assert comm.get_total_counts() == 0 and got.placements == (Shard(0),), args
+        torch.testing.assert_close(got.full_tensor(), want)
+    with pytest.raises(RuntimeError, match="exceeds dimension size"):
+        torch.narrow_copy(x, 1, 4, 3)
+
+
+@distributed(world_size=4)
 def test_colwise_shard_input_gathers_once():
     """ColwiseParallel(input_layouts=Shard(0)) on a Linear, forward + backward, once warm: the
     collectives torch issues (an all_gather, a reduce_scatter), the bytes torch moves plus the
@@ -475,7 +496,6 @@ OP_DB_EXCEPTIONS: dict = {
     ('masked.normalize', 'R,S0'): OUTPUT_NOT_PRICED,  # ours (3, 20)+(9, 39), torch (2, 20)+(7, 60)
     ('matrix_exp', 'R,S0'): BACKWARD_OPS_ONE_BY_ONE,  # ours (1, 60)+(6, 428), torch (1, 60)+(3, 180)
     ('mm', 'R,S0'): NOT_EXAMINED,  # ours (2, 164)+(2, 300), torch (2, 160)+(2, 300)
-    ('narrow_copy', 'R,S0'): NOT_EXAMINED,  # ours (1, 300)+(0, 0), torch (1, 120)+(0, 0)
     ('nn.functional.grid_sample', 'R,S0'): "grid_sampler rule gathers both inputs",  # ours (2, 500)+(2, 500), torch (1, 300)+(2, 500)
     ('nn.functional.max_pool2d', 'R,S0'): OUTPUT_NOT_PRICED,  # ours (2, 72)+(1, 144), torch (1, 144)+(1, 144)
     ('nn.functional.pad.constant', 'R,S0'): OUTPUT_NOT_PRICED,  # ours (1, 84)+(0, 0), torch (1, 36)+(0, 0)
@@ -501,7 +521,6 @@ OP_DB_EXCEPTIONS: dict = {
     ('matrix_exp', 'S0,S-1'): BACKWARD_OPS_ONE_BY_ONE,  # ours (2, 96)+(12, 776), torch (2, 96)+(5, 348)
     ('mm', 'S0,S-1'): NOT_EXAMINED,  # ours (5, 364)+(4, 408), torch (4, 216)+(4, 504)
     ('mode', 'S0,S-1'): NOT_EXAMINED,  # ours (5, 420)+(2, 500), torch (3, 360)+(1, 300)
-    ('narrow_copy', 'S0,S-1'): NOT_EXAMINED,  # ours (2, 480)+(0, 0), torch (2, 192)+(0, 0)
     ('nn.functional.adaptive_avg_pool2d', 'S0,S-1'): NOT_EXAMINED,  # ours (3, 3264)+(3, 5120), torch (2, 3072)+(2, 3072)
     ('nn.functional.cross_entropy', 'S0,S-1'): NOT_EXAMINED,  # ours (7, 56)+(4, 40), torch (3, 24)+(4, 36)
     ('nn.functional.interpolate.area', 'S0,S-1'): NOT_EXAMINED,  # ours (3, 96)+(3, 120), torch (2, 60)+(2, 72)
@@ -529,7 +548,6 @@ OP_DB_EXCEPTIONS: dict = {
     ('masked.normalize', 'S0,S0'): OUTPUT_NOT_PRICED,  # ours (6, 36)+(18, 74), torch (4, 36)+(14, 116)
     ('matrix_exp', 'S0,S0'): BACKWARD_OPS_ONE_BY_ONE,  # ours (2, 100)+(12, 788), torch (2, 100)+(6, 300)
     ('mm', 'S0,S0'): NOT_EXAMINED,  # ours (4, 328)+(4, 560), torch (4, 260)+(4, 560)
-    ('narrow_copy', 'S0,S0'): NOT_EXAMINED,  # ours (2, 500)+(0, 0), torch (2, 200)+(0, 0)
     ('nn.functional.grid_sample', 'S0,S0'): "grid_sampler rule gathers both inputs",  # ours (4, 1000)+(4, 1000), torch (3, 800)+(4, 1000)
     ('nn.functional.linear', 'S0,S0'): NOT_EXAMINED,  # ours (4, 24)+(4, 80), torch (4, 24)+(4, 68)
     ('nn.functional.max_pool2d', 'S0,S0'): OUTPUT_NOT_PRICED,  # ours (4, 144)+(2, 288), torch (2, 288)+(2, 288)
@@ -538,7 +556,6 @@ OP_DB_EXCEPTIONS: dict = {
     ('take_along_dim', 'S0,S0'): NOT_EXAMINED,  # ours (4, 200)+(2, 208), torch (4, 200)+(2, 200)
     ('vsplit', 'S0,S0'): NOT_EXAMINED,  # ours (4, 256)+(0, 0), torch (4, 200)+(0, 0)
     ('linalg.pinv.singular', 'S0'): NOT_EXAMINED,  # ours (2, 36)+(4, 0), torch (2, 0)+(2, 0)
-    ('narrow_copy', 'S0'): NOT_EXAMINED,  # ours (1, 600)+(0, 0), torch (1, 240)+(0, 0)
     ('nn.functional.linear', 'S0'): NOT_EXAMINED,  # ours (2, 36)+(2, 72), torch (2, 24)+(2, 36)
     ('nn.functional.pairwise_distance', 'S0'): NOT_EXAMINED,  # ours (1, 24)+(2, 24), torch (1, 12)+(2, 24)
 }
