@@ -225,11 +225,9 @@ def _assign_reshape(spec, old, new, groups, seqs):
     out_order = [[] for _ in new]
     for g, (og, ng) in enumerate(groups):
         real_new = [d for d in ng if new[d] != 1]
-        ones = not real_new and bool(ng)  # size 1 to size 1: every shard goes to the first
-        real_new = real_new or ng[:1]
         t, split = 0, 1
         for i in seqs.get(g, ()):
-            while not ones and t < len(real_new) and split >= new[real_new[t]]:
+            while t < len(real_new) and split >= new[real_new[t]]:
                 t, split = t + 1, 1
             if t == len(real_new):
                 break
@@ -254,11 +252,6 @@ def _reshape_strategy(call, out_shape, local_op):
     # is replicated up front, so the alignment search below does not give up good shards for it
     seqs = {g: [i for k in og if old[k] != 1 for i in spec.shard_order[k]]
             for g, (og, ng) in enumerate(groups) if og and any(new[d] != 1 for d in ng)}
-    # a size-1 dim that stays a size-1 dim (an unsqueeze next to it) keeps its shards: every
-    # rank's piece (the whole row, or empty) is the same before and after
-    seqs.update({g: [i for k in og for i in spec.shard_order[k]]
-                 for g, (og, ng) in enumerate(groups)
-                 if og and ng and all(old[k] == 1 for k in og) and all(new[d] == 1 for d in ng)})
     while True:
         ins, outs, in_order, out_order = _assign_reshape(spec, old, new, groups, seqs)
         bad = _misaligned_groups(spec, ins, outs, in_order, out_order, old, new, groups)
