@@ -593,11 +593,15 @@ TORCH_DIVERGES = ("fft.",)
 # ways on dim 0 is pieces of 2, 2, 1 and 0 rows, and torch runs the local kernel on rank 3's
 # empty piece, which raises there ("input tensor must have at least one element" for batch
 # norm, "cannot compute aminmax over an empty dimension", "min(): Expected reduction dim to be
-# specified for input.numel() == 0") while ranks 0-2 enter the op's collective, so they wait
-# until gloo times out. Found by running each library alone on the pair (each rank's funcol
-# trace: ranks 0-2 issue the all_reduce / all_gathers, rank 3 none); ours runs every pair to
-# the end with the same collectives on every rank (its local functions are empty-piece safe).
-# Not compared (a run of torch on them loses the batch).
+# specified for input.numel() == 0", "cannot compute the -inf norm on an empty tensor" for
+# norm.inf) while ranks 0-2 enter the op's collective, so they wait until gloo times out.
+# squeeze_copy of the (5, 1, 5, 1) sample: torch's squeeze() on rank 2's (1, 1, 5, 1) piece
+# also drops the local size-1 batch dim, so it all-gathers (5,) where the others send (1, 5)
+# and gloo aborts on the size mismatch. embedding with a 0-d index on the [S0, S0] table:
+# torch's ranks 1 and 2 all-reduce over different mesh dims, ranks 0 and 3 issue nothing (a
+# hang). Found by running each library alone on each pair with each rank's funcol trace; ours
+# runs every pair to the end with the same collectives on every rank (its local functions
+# are empty-piece safe). Not compared (a run of torch on them loses the batch).
 TORCH_DIVERGES_ON_EMPTY_PIECE = {
     ("_batch_norm_with_update", "S0"), ("_native_batch_norm_legit", "S0"),
     ("native_batch_norm", "S0"), ("nn.functional.batch_norm", "S0"), ("aminmax", "S0"),
