@@ -409,7 +409,8 @@ def test_redistribute_costs_no_more_than_torch(shape):
 # benchmarks/comm_vs_torch.py's run over the whole op_db (3,360 (op, layout) pairs; 2,591
 # compared, the rest rejected by either library or killing the run). On main before issue 29's
 # last rule fixes: 273 cheaper, 2,118 same, 200 dearer; after (addmv, addr, vdot, linalg_cross
-# rules): 275 cheaper, 2,130 same, 186 dearer, every one listed here.
+# rules): 275 cheaper, 2,130 same, 186 dearer; then narrow_copy's rule (its 4 dearer pairs now
+# the same): 275 cheaper, 2,134 same, 182 dearer, every one listed here with its reason.
 #
 # An op's strategy is chosen by what its inputs must move (bytes + latency per collective),
 # not by what its result will cost its consumer: a free Partial result (or a shard moved by an
