@@ -464,10 +464,8 @@ OP_DB_EXCEPTIONS: dict = {
     # all-reduce per reducing mesh dim, dtensor.py) so that the gradient is split among equal
     # extremes as single-device torch splits it; two or four collectives more in backward
     # (read from dtensor.py's max/min backward, not traced op by op)
-    ("aminmax", "R,S0"): "max/min backward counts ties over ranks",
-    ("aminmax", "S0,S-1"): "max/min backward counts ties over ranks",
-    ("aminmax", "S0,S0"): "max/min backward counts ties over ranks",
-    ("norm.inf", "S0,S-1"): "max/min backward counts ties over ranks",
+    "aminmax": "max/min backward counts ties over ranks",  # every layout but S0
+    "norm.inf": "max/min backward counts ties over ranks",
     ("nn.functional.batch_norm", "R,S0"): "sync-BN all-reduces statistics, never gathers",
     ("nn.functional.batch_norm", "S0,S0"): "sync-BN all-reduces statistics, never gathers",
     # sync batch norm: a batch sharded over mesh dims keeps the input where it is and
