@@ -48,6 +48,28 @@ def _register_copy_variants():
 _register_copy_variants()
 
 
+# ``narrow_copy`` has no view twin of the same overload (``narrow`` is composite, it becomes a
+# ``slice``): its rule is the slice rule's for [start, start + length), so a narrow of an
+# unsharded dim keeps the shards (no fallback gathering the whole input).
+def _narrow_copy(call):
+    spec = call.inputs[0]
+    dim, start, length = call.args[1:4]
+    if spec.ndim == 0:
+        raise RuntimeError("narrow() cannot be applied to a 0-dim tensor.")
+    d = dim % spec.ndim
+    n = spec.shape[d]
+    start = start + n if start < 0 else start
+    if not 0 <= start <= n or length < 0 or start + length > n:
+        raise RuntimeError(f"start ({call.args[2]}) + length ({length}) exceeds dimension size "
+                           f"({n}) or is out of range.")
+    return _copy_rule(aten.slice.Tensor, RULES[aten.slice.Tensor])(
+        OpCall(aten.slice.Tensor, (call.args[0], d, start, start + length, 1), {}, call.inputs,
+               call.mesh))
+
+
+set_rule(aten.narrow_copy.default, _narrow_copy)
+
+
 # ``_conj`` / ``_neg_view`` are views that only set a bit on the tensor. A DTensor wrapper cannot
 # carry that bit (torch's composite code reads ``is_conj()`` on the wrapper to decide whether to
 # resolve it, and some kernels, e.g. ``_fft_c2r``, ignore an unresolved bit on the piece), so the
