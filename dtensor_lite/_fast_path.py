@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import threading
 import types
 
@@ -91,7 +92,16 @@ _SHORTCUTS: dict = _caches.register_decisions({})
 def _ordinary(func, types_, args, kwargs):
     """The call the ordinary way: through autograd to ``__torch_dispatch__``."""
     if type(func) in _BUILTIN_TYPES:
-        return _skip_hop(func, types_, args, kwargs)
+        try:
+            return _skip_hop(func, types_, args, kwargs)
+        except TypeError as e:
+            # the argument parser, asked to skip only DTensor's hook, cannot unpack a DTensor
+            # where an overload takes ints (``histogramdd(x, bins=[DTensor, ...])``: the
+            # ``int[]`` overload is tried first); parsing fails before anything runs, so the
+            # call is made again with the hooks off, as it was before the one-hop skip
+            if not _PARSE_FAILURES.search(str(e)):
+                raise
+            return _disabled(func, types_, args, kwargs or {})
     if type(func) is _OpOverload or (_ident(), func) in _IN_FLIGHT:
         # an aten op called on DTensors from Python (a rule's or a composite kernel's
         # ``op.decompose(...)`` arrives here as the overload itself), or a Python function
@@ -109,6 +119,7 @@ def _ordinary(func, types_, args, kwargs):
 # (thread, Python function) pairs running the ordinary way now
 _IN_FLIGHT: set = set()
 _ident = threading.get_ident
+_PARSE_FAILURES = re.compile(r"failed to unpack the object|invalid combination of arguments")
 
 
 def _kwargs_key(kwargs, dts: list):
