@@ -91,6 +91,10 @@ _SHORTCUTS: dict = _caches.register_decisions({})
 def _ordinary(func, types_, args, kwargs):
     """The call the ordinary way: through autograd to ``__torch_dispatch__``."""
     if type(func) in _BUILTIN_TYPES:
+        if func in _LIST_OVERLOADED:
+            # re-parsed by _skip_hop, a list of DTensors matches the ScalarList overload first
+            # ("a Tensor with 15 elements cannot be converted to Scalar"): run with hooks off
+            return _disabled(func, types_, args, kwargs or {})
         return _skip_hop(func, types_, args, kwargs)
     if type(func) is _OpOverload or (_ident(), func) in _IN_FLIGHT:
         # an aten op called on DTensors from Python (a rule's or a composite kernel's
@@ -105,6 +109,10 @@ def _ordinary(func, types_, args, kwargs):
     finally:
         _IN_FLIGHT.discard(flight)
 
+
+# builtins with both a TensorList and a ScalarList overload (torch._foreach_maximum, ...)
+_LIST_OVERLOADED = {getattr(torch, n) for n in dir(torch._C._VariableFunctions)
+                    if n.startswith("_foreach_")}
 
 # (thread, Python function) pairs running the ordinary way now
 _IN_FLIGHT: set = set()
