@@ -39,7 +39,7 @@ from .ops._expansion import expand_strategies
 from .ops._registry import Decompose, FullStrategy, OpCall, UnsupportedOpError
 from .ops.kit import target_spec
 from .random import ensure_rng_synced
-from .redistribute import plan_redistribute, redistribute_local
+from .redistribute import plan_redistribute, redistribute_local, redistribute_locals
 from .placements import Replicate as _Replicate
 from .spec import DTensorSpec, TensorMeta, outside_shape as _outside_shape
 
@@ -208,6 +208,9 @@ class _Decision:
                 _observe_rule_redistribute(self.op, dts, targets)
             if debug_state.COMM_SINKS:
                 locals_ = _redistribute_attributed(self.op, dts, targets)
+            elif len(dts) > 1:  # several inputs may share one collective (redistribute_locals)
+                locals_ = redistribute_locals([dt._local_tensor for dt in dts],
+                                              [dt._spec for dt in dts], targets)
             else:
                 locals_ = [dt._local_tensor if tgt is None else
                            redistribute_local(dt._local_tensor, dt._spec, tgt)
@@ -251,14 +254,8 @@ class _Decision:
 def _redistribute_attributed(op, dts, targets) -> list:
     """The inputs' local pieces as ``targets`` want them, each move labelled with its input's
     index for CommDebugMode."""
-    locals_ = []
-    for j, (dt, tgt) in enumerate(zip(dts, targets)):
-        if tgt is None:
-            locals_.append(dt._local_tensor)
-            continue
-        with debug_state.comm_cause(op, j):
-            locals_.append(redistribute_local(dt._local_tensor, dt._spec, tgt))
-    return locals_
+    return redistribute_locals([dt._local_tensor for dt in dts], [dt._spec for dt in dts],
+                               targets, cause=lambda j: debug_state.comm_cause(op, j))
 
 
 def _observe_rule_redistribute(op, dts, targets):

@@ -92,13 +92,16 @@ _SHORTCUTS: dict = _caches.register_decisions({})
 def _ordinary(func, types_, args, kwargs):
     """The call the ordinary way: through autograd to ``__torch_dispatch__``."""
     if type(func) in _BUILTIN_TYPES:
+        if func in _LIST_OVERLOADED:
+            # re-parsed by _skip_hop, a list of DTensors matches the ScalarList overload first
+            # ("a Tensor with 15 elements cannot be converted to Scalar"): run with hooks off
+            return _disabled(func, types_, args, kwargs or {})
         try:
             return _skip_hop(func, types_, args, kwargs)
         except TypeError as e:
-            # the argument parser, asked to skip only DTensor's hook, cannot unpack a DTensor
-            # where an overload takes ints (``histogramdd(x, bins=[DTensor, ...])``: the
-            # ``int[]`` overload is tried first); parsing fails before anything runs, so the
-            # call is made again with the hooks off, as it was before the one-hop skip
+            # the same parser mismatch where an overload takes ints and fails loudly
+            # (``histogramdd(x, bins=[DTensor, ...])``: the ``int[]`` overload is tried first);
+            # parsing fails before anything runs, so the call is made again with the hooks off
             if not _PARSE_FAILURES.search(str(e)):
                 raise
             return _disabled(func, types_, args, kwargs or {})
@@ -115,6 +118,10 @@ def _ordinary(func, types_, args, kwargs):
     finally:
         _IN_FLIGHT.discard(flight)
 
+
+# builtins with both a TensorList and a ScalarList overload (torch._foreach_maximum, ...)
+_LIST_OVERLOADED = {getattr(torch, n) for n in dir(torch._C._VariableFunctions)
+                    if n.startswith("_foreach_")}
 
 # (thread, Python function) pairs running the ordinary way now
 _IN_FLIGHT: set = set()

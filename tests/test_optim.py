@@ -108,6 +108,34 @@ def test_optimizer_with_partial_and_misplaced_grads():
                 torch.testing.assert_close(d.full_tensor(), p.detach())
 
 
+@distributed(world_size=4)
+def test_foreach_step_reduces_partial_grads_in_one_all_reduce_per_mesh_dim():
+    """Partial gradients of one foreach step that each need one sum all-reduce over the same
+    mesh dim travel as one flat all-reduce (a per-step collective, not one per parameter);
+    the values are those of separate reductions."""
+    mesh = _mesh()
+    torch.manual_seed(0)
+    shapes = [(5, 3), (7,), (2, 3), (4,)]
+    full = [torch.randn(s) for s in shapes]
+    plain = [nn.Parameter(t.clone()) for t in full]
+    dist_ = [nn.Parameter(distribute_tensor(t.clone(), mesh, [Replicate(), Replicate()]))
+             for t in full]
+    grad_pl = [[Partial(), Replicate()]] * 3 + [[Replicate(), Partial()]]  # dim 0 x3, dim 1 x1
+    for p, d, pl in zip(plain, dist_, grad_pl):
+        g = torch.randn(p.shape)
+        p.grad = g.clone()
+        d.grad = distribute_tensor(g, mesh, [Replicate(), Replicate()]).redistribute(mesh, pl)
+    ref = torch.optim.SGD(plain, lr=0.1, foreach=True)
+    opt = torch.optim.SGD(dist_, lr=0.1, foreach=True)
+    ref.step()
+    with CommDebugMode() as comm:
+        opt.step()
+    assert comm.get_comm_counts() == {"all_reduce": 2}, comm.get_comm_counts()
+    for p, d in zip(plain, dist_):
+        assert d.placements == (Replicate(), Replicate())
+        torch.testing.assert_close(d.full_tensor(), p.detach())
+
+
 def _lists(mesh, placements, shapes, seed):
     torch.manual_seed(seed)
     full = [torch.randn(s) for s in shapes]

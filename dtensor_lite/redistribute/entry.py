@@ -4,12 +4,15 @@ from __future__ import annotations
 
 import torch
 
+from .. import collectives as C
+from ..compile_support import is_traced
 from ..spec import DTensorSpec, normalize_placements, outside_shape
 from .cross_mesh import check_meshes, plan_cross_mesh, redistribute_across_meshes, reduced_source
 from .executor import run_plan
 from .planner import plan_redistribute
 
-__all__ = ["redistribute_local", "redistribute_target", "explain_redistribute"]
+__all__ = ["redistribute_local", "redistribute_locals", "redistribute_target",
+           "explain_redistribute"]
 
 
 def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec,
@@ -26,6 +29,61 @@ def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec,
     if src.tensor_meta != dst.tensor_meta:  # e.g. a gradient of another dtype than its input
         src = DTensorSpec(src.mesh, src.placements, dst.tensor_meta, src.shard_order)
     return run_plan(local, plan_redistribute(src, dst), async_op)
+
+
+def redistribute_locals(pieces, srcs, dsts, cause=None) -> list:
+    """``redistribute_local`` for several inputs of one op (``dsts[k] is None``: ``pieces[k]``
+    stays). Pieces whose plan is one sum all-reduce over the same group, dtype and device (a
+    foreach optimizer step over ``Partial`` gradients) travel in one flat all-reduce instead of
+    one each: the collective's fixed cost (issue, wait, bookkeeping, ~0.2 ms of host time on
+    gloo) is paid once. Sums are elementwise, so the values are those of separate all-reduces.
+    ``cause(k)``: a context manager labelling the move of input ``k`` (CommDebugMode); a flat
+    all-reduce is labelled with its first input."""
+    out = list(pieces)
+    flat: dict = {}  # (mesh, mesh dim, dtype, device) -> indices of its pieces
+    for k, (piece, src, dst) in enumerate(zip(pieces, srcs, dsts)):
+        if dst is not None and _one_sum_all_reduce(piece, src, dst):
+            flat.setdefault((id(src.mesh), plan_redistribute(src, dst).steps[0].mesh_dim,
+                             piece.dtype, piece.device), []).append(k)
+    batched = set()
+    for (_, mesh_dim, _, _), ks in flat.items():
+        if len(ks) < 2:
+            continue
+        mesh = srcs[ks[0]].mesh
+        batched.update(ks)
+        with cause(ks[0]) if cause is not None else _NO_CAUSE:
+            reduced = C.all_reduce(torch.cat([pieces[k].reshape(-1) for k in ks]), mesh, mesh_dim)
+        for k, part in zip(ks, reduced.split([pieces[k].numel() for k in ks])):
+            out[k] = part.view(pieces[k].shape)
+    for k, (piece, src, dst) in enumerate(zip(pieces, srcs, dsts)):
+        if dst is not None and k not in batched:
+            with cause(k) if cause is not None else _NO_CAUSE:
+                out[k] = redistribute_local(piece, src, dst)
+    return out
+
+
+def _one_sum_all_reduce(piece, src, dst) -> bool:
+    """Whether moving ``piece`` from ``src`` to ``dst`` is exactly one sum all-reduce of a piece
+    of the spec's shape (anything else -- a wrong-shaped piece included, whose error
+    ``run_plan`` raises -- goes the ordinary way)."""
+    if src == dst or dst.mesh is not src.mesh or src.mesh._coordinate is None \
+            or src.tensor_meta != dst.tensor_meta:
+        return False
+    steps = plan_redistribute(src, dst).steps
+    return (len(steps) == 1 and steps[0].kind == "all_reduce"
+            and steps[0].src.reduce_op == "sum" and piece.dtype.is_floating_point
+            and not is_traced(piece) and tuple(piece.shape) == tuple(src.local_shape()))
+
+
+class _NoCause:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NO_CAUSE = _NoCause()
 
 
 def redistribute_target(src: DTensorSpec, device_mesh, placements) -> DTensorSpec:
