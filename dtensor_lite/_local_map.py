@@ -20,8 +20,8 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .debug_state import comm_cause
-from .piece_check import checked_global_shape
 from .dtensor import DTensor
+from .gather_pieces import pieces_global_shape
 from .placements import Partial, Placement, Replicate
 
 __all__ = ["local_map", "derive_grad_placements"]
@@ -237,12 +237,9 @@ def _wrap_one(o, placements, shape, mesh, fname: str, j: int, inputs):
                     return out
             # the ranks exchange their local shapes: the right global shape on every rank, or
             # the same error on every rank where the pieces form none
-            if mesh.ndim == 1 and mesh.get_coordinate() is not None:  # 8 bytes a rank, warm
-                from .gather_pieces import local_pieces_shape
-                return DTensor.from_local(o, mesh, placements, shape=local_pieces_shape(
-                    o, mesh, placements[0].dim, who=f"local_map: {fname}: {what}"))
-            return DTensor.from_local(o, mesh, placements, shape=checked_global_shape(
-                o, mesh, placements, what=f"local_map: {what}"))
+            return DTensor.from_local(o, mesh, placements, shape=pieces_global_shape(
+                o, mesh, placements, who=f"local_map: {fname}: {what}",
+                what=f"local_map: {what}"))
     if shape is None:
         return DTensor.from_local(o, mesh, placements)  # no Shard: global = local
     try:

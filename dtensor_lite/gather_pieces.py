@@ -38,7 +38,7 @@ from .dtensor import DTensor, _as_grad_dtensor, _redistribute_grad_target, _redi
 from .placements import Replicate, Shard
 from .spec import DTensorSpec, TensorMeta, contiguous_stride
 
-__all__ = ["gather_local_pieces", "local_pieces_shape"]
+__all__ = ["gather_local_pieces", "local_pieces_shape", "pieces_global_shape", "agreement_applies"]
 
 _HEADER = 8  # one int64: this rank's rows along the shard dim, or -1 (does not fit)
 # (call site, mesh) -> the agreement: (dim, ndim, dtype, pad rows, shape of one row). Keyed by
@@ -61,6 +61,22 @@ def gather_local_pieces(local: torch.Tensor, mesh, dim: int, *, who: str = "") -
             return _Gathered.apply(_sharded(local, mesh, dim, full.shape), full)
     shape = _exchanged_shape(local, mesh, dim, who, key, agreed)
     return _sharded(local, mesh, dim, shape).redistribute(mesh, [Replicate()])
+
+
+def agreement_applies(mesh) -> bool:
+    """Whether the agreed-pad path serves pieces on ``mesh``: a 1-D mesh this rank is on (the
+    header rides in one all_gather over it); anything else takes the metadata exchange."""
+    return mesh.ndim == 1 and mesh.get_coordinate() is not None
+
+
+def pieces_global_shape(local: torch.Tensor, mesh, placements, *, who: str,
+                        what: str) -> torch.Size:
+    """The global shape of the ranks' pieces laid out as ``placements`` (a Shard among them) for
+    a piece that is not gathered: ``local_pieces_shape`` where the agreement applies, else the
+    metadata exchange (``what`` names the input in its errors)."""
+    if agreement_applies(mesh):
+        return local_pieces_shape(local, mesh, placements[0].dim, who=who)
+    return checked_global_shape(local, mesh, placements, what=what)
 
 
 def local_pieces_shape(local: torch.Tensor, mesh, dim: int, *, who: str = "") -> torch.Size:

@@ -12,8 +12,9 @@ ranks exchange their pieces' metadata (one small all_gather of a fixed-size row)
 PyTorch assumes even pieces (global = local x mesh size) and aborts in gloo on a sequence length
 the mesh size does not divide. A piece that is gathered whole anyway (Shard -> Replicate, e.g.
 ``ColwiseParallel(input_layouts=Shard(0))``) carries its size in the gather itself
-(``dtensor_lite/gather_pieces.py``): one collective per call once warm, as PyTorch's. A DTensor input knows its shape and needs no exchange, which is why
-the example Llama keeps its sequence-parallel residual stream as DTensors.
+(``dtensor_lite/gather_pieces.py``): one collective per call once warm, as PyTorch's. A DTensor
+input knows its shape and needs no exchange, which is why the example Llama keeps its
+sequence-parallel residual stream as DTensors.
 """
 from __future__ import annotations
 
@@ -21,8 +22,7 @@ import torch
 
 from dtensor_lite import DeviceMesh, DTensor, Placement, Replicate, Shard
 from dtensor_lite.compile_support import boundary
-from dtensor_lite.gather_pieces import gather_local_pieces, local_pieces_shape
-from dtensor_lite.piece_check import checked_global_shape
+from dtensor_lite.gather_pieces import agreement_applies, gather_local_pieces, pieces_global_shape
 from dtensor_lite.debug_state import comm_cause
 
 __all__ = ["one_layout", "to_dtensor", "convert"]
@@ -57,15 +57,12 @@ def to_dtensor(x, mesh: DeviceMesh, layout: Placement, shape=None, *, who: str =
     placements = [_normalized(layout, x.ndim)]
     if shape is None and layout.is_shard():
         with comm_cause(who or "tp layout", "global shape"):
-            if mesh.ndim == 1 and mesh.get_coordinate() is not None:
-                shape = local_pieces_shape(x, mesh, placements[0].dim, who=who)
-            else:
-                shape = checked_global_shape(x, mesh, placements,
-                                             what=f"{who or 'tp'}: local input")
+            shape = pieces_global_shape(x, mesh, placements, who=who,
+                                        what=f"{who or 'tp'}: local input")
     return DTensor.from_local(x, mesh, placements, shape=shape)
 
 
-@boundary  # torch.compile: one opaque call, its Python traced by AOTAutograd (see compile_support.py)
+@boundary  # torch.compile: one opaque call, its Python traced by AOTAutograd (compile_support.py)
 def convert(x, mesh: DeviceMesh, layout: Placement | None, desired: Placement | None,
             use_local: bool, shape=None, *, who: str = ""):
     """Declare ``x`` as ``layout``, redistribute to ``desired``, return a DTensor or its piece.
@@ -76,7 +73,7 @@ def convert(x, mesh: DeviceMesh, layout: Placement | None, desired: Placement | 
         return x
     if (shape is None and layout.is_shard() and desired is not None and desired.is_replicate()
             and isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
-            and mesh.ndim == 1 and mesh.get_coordinate() is not None):
+            and agreement_applies(mesh)):
         # a local piece gathered whole: its size rides with the data (one collective once warm)
         with comm_cause(who or "tp layout", "gather pieces"):
             dt = gather_local_pieces(x, mesh, _normalized(layout, x.ndim).dim, who=who)
