@@ -2,6 +2,8 @@
 move their inputs themselves call."""
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
 from .. import collectives as C
@@ -42,9 +44,9 @@ def redistribute_locals(pieces, srcs, dsts, cause=None) -> list:
     out = list(pieces)
     flat: dict = {}  # (mesh, mesh dim, dtype, device) -> indices of its pieces
     for k, (piece, src, dst) in enumerate(zip(pieces, srcs, dsts)):
-        if dst is not None and _one_sum_all_reduce(piece, src, dst):
-            flat.setdefault((id(src.mesh), plan_redistribute(src, dst).steps[0].mesh_dim,
-                             piece.dtype, piece.device), []).append(k)
+        mesh_dim = None if dst is None else _sum_all_reduce_dim(piece, src, dst)
+        if mesh_dim is not None:
+            flat.setdefault((id(src.mesh), mesh_dim, piece.dtype, piece.device), []).append(k)
     batched = set()
     for (_, mesh_dim, _, _), ks in flat.items():
         if len(ks) < 2:
@@ -62,28 +64,22 @@ def redistribute_locals(pieces, srcs, dsts, cause=None) -> list:
     return out
 
 
-def _one_sum_all_reduce(piece, src, dst) -> bool:
-    """Whether moving ``piece`` from ``src`` to ``dst`` is exactly one sum all-reduce of a piece
-    of the spec's shape (anything else -- a wrong-shaped piece included, whose error
-    ``run_plan`` raises -- goes the ordinary way)."""
+def _sum_all_reduce_dim(piece, src, dst) -> int | None:
+    """The mesh dim, if moving ``piece`` from ``src`` to ``dst`` is exactly one sum all-reduce
+    of a piece of the spec's shape; else None (anything else -- a wrong-shaped piece included,
+    whose error ``run_plan`` raises -- goes the ordinary way)."""
     if src == dst or dst.mesh is not src.mesh or src.mesh._coordinate is None \
             or src.tensor_meta != dst.tensor_meta:
-        return False
-    steps = plan_redistribute(src, dst).steps
-    return (len(steps) == 1 and steps[0].kind == "all_reduce"
-            and steps[0].src.reduce_op == "sum" and piece.dtype.is_floating_point
-            and not is_traced(piece) and tuple(piece.shape) == tuple(src.local_shape()))
-
-
-class _NoCause:
-    def __enter__(self):
         return None
+    steps = plan_redistribute(src, dst).steps
+    if (len(steps) == 1 and steps[0].kind == "all_reduce"
+            and steps[0].src.reduce_op == "sum" and piece.dtype.is_floating_point
+            and not is_traced(piece) and tuple(piece.shape) == tuple(src.local_shape())):
+        return steps[0].mesh_dim
+    return None
 
-    def __exit__(self, *exc):
-        return False
 
-
-_NO_CAUSE = _NoCause()
+_NO_CAUSE = contextlib.nullcontext()  # reusable: it holds nothing
 
 
 def redistribute_target(src: DTensorSpec, device_mesh, placements) -> DTensorSpec:
