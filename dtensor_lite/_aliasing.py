@@ -16,13 +16,15 @@ from torch.utils._mode_utils import no_dispatch
 from . import debug, debug_state
 from .dtensor import DTensor
 from .ops import _registry
+from .ops._expansion import only_reduces_partials
 from .ops._registry import UnsupportedOpError
 from .redistribute import plan_redistribute
 from .spec import DTensorSpec, TensorMeta
 
 __all__ = ["COPIED_VIEWS", "check_not_copied_view", "mark_if_copied_view", "OutDecision",
            "functional_overload", "written_inputs", "rewrap_in_place", "INPLACE_VIEW",
-           "inplace_view_decision"]
+           "inplace_view_decision", "relayout_allowed", "check_relayout_private",
+           "relayout_destination"]
 
 INPLACE_VIEW = torch.Tag.inplace_view
 
@@ -165,6 +167,75 @@ def rewrap_in_place(op, args, kwargs, dt):
     if tuple(dt.shape) != tuple(loc.shape):
         raise RuntimeError(f"{op}: the DTensor wrapper could not follow its local tensor's new "
                            f"shape {tuple(loc.shape)} (it stayed {tuple(dt.shape)})")
+
+
+# ------------------------------------------------------------------ in-place destinations that move
+# An in-place op whose destination is Partial and whose values cannot stay a sum of pieces
+# (``sqrt_``, ``clamp_``, ``add_`` of a Replicate, ...): plain torch's values require the Partial
+# reduced first. The destination DTensor itself is redistributed -- its local piece and spec
+# become the reduced ones -- and the op then writes into the new piece, so the user's tensor
+# object holds the right values at the new placement (torch's DTensor raises here). That is only
+# sound where nothing else aliases the piece: a view of another DTensor, or a DTensor with views
+# or other aliases of its piece, would keep the old placement over memory that now means
+# something else, so those raise instead.
+
+def relayout_allowed(spec: DTensorSpec, target: DTensorSpec, out_placements) -> bool:
+    """Decided once per cached decision: may an in-place op move its destination from ``spec``
+    to ``target``? Only by reducing Partial mesh dims (what the values force), writing the
+    result at ``target``'s placements."""
+    return out_placements is not None and tuple(out_placements) == tuple(target.placements) \
+        and only_reduces_partials(spec.placements, target.placements)
+
+
+def check_relayout_private(op, dt: DTensor, target: DTensorSpec) -> None:
+    """Per call, before anything moves: ``dt``'s piece must be its own (see above)."""
+    if dt._is_view():
+        why = "it is a view of another DTensor, whose placements would stay as they are"
+    else:
+        why = _piece_aliases(dt._local_tensor)
+    if why is None:
+        return
+    # not posted to the other ranks (_failures): a posted failure ends the job, and these
+    # conditions hold on every rank alike -- a view is a view everywhere, and an SPMD program
+    # takes the same views and aliases of its pieces on every rank
+    raise RuntimeError(
+        f"{op} writes in place into a DTensor {tuple(dt.shape)} with placements "
+        f"{list(dt.placements)}, which the op cannot keep (the result is no longer a sum of "
+        f"pieces): the DTensor would have to become {list(target.placements)} in place, but "
+        f"{why}. Reduce it first (x = x.redistribute(mesh, {list(target.placements)}) on the "
+        "tensor the views were taken from), or use the out-of-place op")
+
+
+def _piece_aliases(local: torch.Tensor):
+    """None if no other tensor shares ``local``'s memory, else why not. Counts the holders of
+    its storage: ``local`` itself, the storage object asked for here, the base ``local`` is a view
+    of, and private aliases that a finished collective's backend has not yet let go of
+    (``_inflight``). Python references to ``local`` itself count too (``to_local()`` under
+    no_grad returns it)."""
+    import sys
+    from . import _inflight
+    if sys.getrefcount(local) > _OWN_LOCAL_REFS:
+        return "its local piece is referenced elsewhere (e.g. a to_local() result)"
+    storage = local.untyped_storage()
+    # the base a piece was viewed from (a temporary, from_local's argument, the piece of the
+    # DTensor it was redistributed from) is not one: writes into it never show through this
+    # DTensor's spec, as in plain torch a redistribute's result is no view of its input
+    expected = 2 + (local._base is not None) + _inflight.aliases_of(storage)
+    if torch._C._storage_Use_Count(storage._cdata) > expected:
+        return "another tensor shares its memory (a view of it, or an alias of its local piece)"
+    return None
+
+
+# references to a DTensor's local tensor while _piece_aliases runs: the DTensor's slot,
+# _piece_aliases' argument, getrefcount's argument (fewer where an interpreter borrows)
+_OWN_LOCAL_REFS = 3
+
+
+def relayout_destination(dt: DTensor, local: torch.Tensor, target: DTensorSpec) -> None:
+    """Give ``dt`` its redistributed piece and spec (the wrapper's sizes and strides, global
+    ones, do not change)."""
+    dt._local_tensor = local
+    dt._spec = target
 
 
 # ------------------------------------------------------------------ in-place view ops

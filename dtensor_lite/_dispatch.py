@@ -197,12 +197,14 @@ class _Decision:
 
     __slots__ = ("op", "targets", "out_specs", "out_kind", "local_fn", "flat_positions",
                  "mutated", "needs_redistribute", "out_shape", "out_stride", "out_dtype", "fast",
-                 "view_src", "copies_view")
+                 "view_src", "copies_view", "relayout")
 
     def run(self, args, kwargs, dts, validate=False):
         if COPIED_VIEWS:
             _aliasing.check_not_copied_view(self, dts)
         targets = self.targets
+        if self.relayout:  # before anything moves: the destination's piece must be its own
+            _aliasing.check_relayout_private(self.op, dts[self.mutated], targets[self.mutated])
         if self.needs_redistribute:
             if debug_state.EXPLICIT:
                 _observe_rule_redistribute(self.op, dts, targets)
@@ -217,6 +219,9 @@ class _Decision:
                            for dt, tgt in zip(dts, targets)]
         else:
             locals_ = [dt._local_tensor for dt in dts]
+        if self.relayout:  # the destination itself becomes its reduced piece and spec
+            _aliasing.relayout_destination(dts[self.mutated], locals_[self.mutated],
+                                           targets[self.mutated])
         positions = self.flat_positions
         if positions is not None:
             largs = list(args)
@@ -393,6 +398,8 @@ class _OutsideMeshDecision:
     def run(self, args, kwargs, dts, validate=False):
         d = self.inner
         if d.mutated is not None:
+            if d.relayout:  # members moved the destination: its spec here must agree
+                dts[d.mutated]._spec = d.targets[d.mutated]
             return dts[d.mutated]
         if d.out_kind == "tensor":
             return DTensor(_outside_local(d.out_specs), d.out_specs)
@@ -467,7 +474,10 @@ def _decide_on_one_mesh(op, args, kwargs, dts):
     for j, spec in enumerate(inputs):
         tgt = target_spec(call, full, j)
         targets.append(None if tgt == spec else tgt)
-    if mutated is not None and targets[mutated] is not None:
+    # an in-place destination moves only to reduce a Partial the op cannot keep (_aliasing)
+    d.relayout = mutated is not None and targets[mutated] is not None
+    if d.relayout and not _aliasing.relayout_allowed(inputs[mutated], targets[mutated],
+                                                     full.outs[0] if full.outs else None):
         raise RuntimeError(
             f"{op} writes into a DTensor with placements {list(dts[mutated].placements)}, but the "
             f"result must be {list(targets[mutated].placements)}; in-place ops cannot change "

@@ -30,7 +30,7 @@ import time
 
 import torch
 
-__all__ = ["private", "retire", "abandon", "drain", "free_now"]
+__all__ = ["private", "retire", "abandon", "drain", "free_now", "aliases_of"]
 
 _RETIRING: list[list[torch.Tensor]] = []  # holds whose work completed; the backend may still hold it
 _ABANDONED: list[tuple] = []  # (is_done or None, hold): works whose wait was given up
@@ -53,6 +53,14 @@ def private(arg, hold: list):
 def _released(hold) -> bool:
     # one reference: ours (each alias is a tensor object nothing else was given)
     return all(t._use_count() <= 1 for t in hold)
+
+
+def aliases_of(storage) -> int:
+    """How many private aliases held here share ``storage`` (an untyped storage): holders of a
+    tensor's memory that are no user of it (``_aliasing`` counts the others)."""
+    holds = [h for h in _RETIRING] + [a[1] for a in _ABANDONED]
+    return sum(1 for hold in holds for t in hold
+               if t.untyped_storage()._cdata == storage._cdata)
 
 
 def free_now(*tensors: torch.Tensor) -> None:

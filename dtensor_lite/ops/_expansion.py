@@ -15,7 +15,7 @@ from ..redistribute.steps import estimate_cost
 from ..spec import DTensorSpec, shard_orders
 from ._registry import FullStrategy, OpCall
 
-__all__ = ["expand_strategies"]
+__all__ = ["expand_strategies", "only_reduces_partials"]
 
 
 def _estimate(spec: DTensorSpec, i: int, p, q) -> float:
@@ -38,31 +38,19 @@ def _normalize_strategy(s, n_inputs):
 
 def expand_strategies(call: OpCall, strategies, mutated=None) -> FullStrategy:
     """Pick per mesh dim among ``strategies`` (see the module docstring); ``mutated`` is the
-    index of an in-place destination among ``call.inputs``, whose placement must not change."""
+    index of an in-place destination among ``call.inputs``, whose placement must not change --
+    except a Partial that no strategy keeps (a non-linear op such as ``sqrt_`` on a sum of
+    pieces): there the values require the destination reduced first, so the cheapest strategy
+    that reduces it (to Replicate, or to a Shard where the rule allows one) and writes the
+    result at that placement is chosen, and the dispatcher moves the destination itself
+    (``_aliasing.check_relayout``)."""
     inputs = call.inputs
     strategies = [_normalize_strategy(s, len(inputs)) for s in strategies]
-    mesh_ndim = call.mesh.ndim
     chosen = []
-    for i in range(mesh_ndim):
-        best = None
-        for k, (outs, ins) in enumerate(strategies):
-            if mutated is not None and (
-                    ins[mutated] not in (None, inputs[mutated].placements[i])
-                    or outs[0] != inputs[mutated].placements[i]):
-                continue  # an in-place op writes its result where its destination already is
-            if not _partials_stay_compatible(chosen, outs, ins):
-                continue  # e.g. P(max) on one mesh dim and P(avg) on another has no meaning
-            cost, exact = 0.0, True
-            for spec, q in zip(inputs, ins):
-                if q is None:
-                    continue
-                p = spec.placements[i]
-                if p != q:
-                    exact = False
-                    cost += _estimate(spec, i, p, q)
-            rank = (cost, not exact, k)
-            if best is None or rank < best[0]:
-                best = (rank, outs, ins)
+    for i in range(call.mesh.ndim):
+        best = _cheapest(inputs, strategies, chosen, i, mutated, reduce_destination=False)
+        if best is None and mutated is not None and inputs[mutated].placements[i].is_partial():
+            best = _cheapest(inputs, strategies, chosen, i, mutated, reduce_destination=True)
         if best is None:
             if mutated is None:
                 raise RuntimeError(f"{call.op}: no sharding strategy fits inputs "
@@ -83,6 +71,42 @@ def expand_strategies(call: OpCall, strategies, mutated=None) -> FullStrategy:
             inputs[j].placements[i] if p is None else p for i, p in enumerate(pl)))
     in_orders, out_orders = _transfer_orders(inputs, ins, outs)
     return FullStrategy(outs, ins, None, out_orders, in_orders)
+
+
+def only_reduces_partials(have, want) -> bool:
+    """Do placements ``want`` differ from ``have`` only by reducing Partial mesh dims (what an
+    in-place destination may undergo, see :func:`expand_strategies`)?"""
+    return want is not None and all(p == q or (p.is_partial() and not q.is_partial())
+                                    for p, q in zip(have, want))
+
+
+def _cheapest(inputs, strategies, chosen, i, mutated, reduce_destination):
+    """The cheapest (rank, outs, ins) on mesh dim ``i``, or None. With an in-place destination
+    ``mutated``: strategies that keep its placement, or (``reduce_destination``) those that
+    reduce its Partial to a non-Partial placement the result is written at."""
+    best = None
+    for k, (outs, ins) in enumerate(strategies):
+        if mutated is not None:
+            have, want = inputs[mutated].placements[i], ins[mutated]
+            if reduce_destination:
+                if want is None or want.is_partial() or outs[0] != want:
+                    continue
+            elif want not in (None, have) or outs[0] != have:
+                continue  # an in-place op writes its result where its destination already is
+        if not _partials_stay_compatible(chosen, outs, ins):
+            continue  # e.g. P(max) on one mesh dim and P(avg) on another has no meaning
+        cost, exact = 0.0, True
+        for spec, q in zip(inputs, ins):
+            if q is None:
+                continue
+            p = spec.placements[i]
+            if p != q:
+                exact = False
+                cost += _estimate(spec, i, p, q)
+        rank = (cost, not exact, k)
+        if best is None or rank < best[0]:
+            best = (rank, outs, ins)
+    return best
 
 
 def _partials_stay_compatible(chosen, outs, ins) -> bool:

@@ -24,7 +24,7 @@ from ..placements import Replicate
 from ..spec import DTensorSpec
 from ._registry import (CROSS_MESH_OPS, Decompose, FullStrategy, OpCall, get_rule,
                         key_scalars_by_value, register_rule)
-from ._expansion import expand_strategies
+from ._expansion import expand_strategies, only_reduces_partials
 from .pointwise import reads_number_signs_only
 
 aten = torch.ops.aten
@@ -221,6 +221,10 @@ def foreach_rule(call: OpCall):
         full = result
         if info.inplace and not _keeps_destination(slots[0].spec, full):
             if not elem_inplace:  # e.g. maximum for _foreach_maximum_: compute, then copy_
+                return Decompose(_per_element(call.op, info, elem_op, elem_inplace))
+            if only_reduces_partials(slots[0].spec.placements, full.ins[0]):
+                # a Partial the op cannot keep: the element's own in-place op reduces it first
+                # (the dispatcher moves that destination, see expand_strategies)
                 return Decompose(_per_element(call.op, info, elem_op, elem_inplace))
             raise RuntimeError(
                 f"{call.op}: list element {k} is written in place with placements "

@@ -1,0 +1,188 @@
+"""In-place ops on a Partial destination. A linear op (mul_ by a scalar, neg_, add_ of another
+Partial) keeps the Partial and moves nothing. A non-linear one (sqrt_, clamp_, mul_ by another
+Partial, ...) cannot: plain torch's values need the sum first, so the destination DTensor itself is
+reduced -- its piece and spec become the reduced placement, with one reduction -- and the op then
+writes into it. Where the destination's memory is shared (a view of another DTensor, a DTensor
+with views, a to_local() alias) that move would leave the aliases wrong: a clear error instead.
+Found by the whole-op_db run: cosine_embedding_loss on "S0,S-1" (sqrt_ on a Partial sum)."""
+import gc
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from dtensor_lite import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
+from dtensor_lite.debug import CommDebugMode
+from tests.harness import distributed
+
+P, R = Partial(), Replicate()
+
+
+def _layouts():
+    """(mesh, placements with at least one Partial) on a 1-D mesh of 4 and a 2x2 mesh."""
+    m1 = init_device_mesh("cpu", (4,))
+    m2 = init_device_mesh("cpu", (2, 2))
+    return [(m1, [P]), (m2, [Shard(0), P]), (m2, [P, Shard(1)]), (m2, [P, P]), (m2, [P, R])]
+
+
+def _partial(mesh, placements, shape=(4, 6)):
+    """A DTensor of ``placements`` whose pieces differ on every rank (each piece > 0, so that
+    summing before or after a non-linear op gives different values)."""
+    g = torch.Generator().manual_seed(100 + dist.get_rank())
+    local_shape = list(shape)
+    for i, p in enumerate(placements):
+        if p.is_shard():
+            local_shape[p.dim] //= mesh.shape[i]
+    return DTensor.from_local(torch.rand(local_shape, generator=g) + 0.1, mesh, placements)
+
+
+NONLINEAR = {
+    "sqrt_": lambda t, o: t.sqrt_(),
+    "clamp_": lambda t, o: t.clamp_(min=0.3, max=1.5),
+    "exp_": lambda t, o: t.exp_(),
+    "pow_": lambda t, o: t.pow_(2),
+    "relu_ of shifted": lambda t, o: t.sub_(1.0).relu_(),
+    "div_ by Replicate": lambda t, o: t.div_(o).sigmoid_(),
+}
+
+LINEAR = {
+    "mul_ scalar": lambda t, o, p: t.mul_(2.5),
+    "div_ scalar": lambda t, o, p: t.div_(4.0),
+    "neg_": lambda t, o, p: t.neg_(),
+    "add_ Partial": lambda t, o, p: t.add_(p),
+    "sub_ Partial alpha": lambda t, o, p: t.sub_(p, alpha=0.5),
+    "mul_ Replicate": lambda t, o, p: t.mul_(o),
+    "add_ Replicate": lambda t, o, p: t.add_(o),  # the Replicate joins as a Partial (free)
+}
+
+
+@distributed(world_size=4)
+def test_mul_by_itself_reduces_only_the_other_operand():
+    # x.mul_(x) of a Partial x: linear in the destination once the other operand is reduced,
+    # so the destination stays Partial (one reduction, of the operand)
+    for mesh, pl in _layouts():
+        x = _partial(mesh, pl)
+        want = x.full_tensor() ** 2
+        with CommDebugMode() as comm:
+            assert x.mul_(x) is x
+        assert x.placements == tuple(pl), x.placements
+        assert comm.get_total_counts() <= sum(p.is_partial() for p in pl)
+        torch.testing.assert_close(x.full_tensor(), want)
+
+
+def _replicate(x):
+    g = torch.Generator().manual_seed(7)
+    return distribute_tensor(torch.rand(x.shape, generator=g), x.device_mesh,
+                             [R] * x.device_mesh.ndim)
+
+
+@distributed(world_size=4)
+@pytest.mark.parametrize("name", list(NONLINEAR))
+def test_nonlinear_inplace_reduces_the_partial_destination(name):
+    fn = NONLINEAR[name]
+    for mesh, pl in _layouts():
+        x = _partial(mesh, pl)
+        other = _replicate(x)
+        want = fn(x.full_tensor(), other.full_tensor())
+        n_partial = sum(p.is_partial() for p in pl)
+        for attempt in range(2):  # the second call runs the cached decision
+            if attempt:
+                x = _partial(mesh, pl)
+            with CommDebugMode() as comm:
+                out = fn(x, other)
+            msg = f"{name}, {pl} on {mesh.shape}, call {attempt}"
+            assert out is x, msg  # the user's tensor object, with its new placement
+            assert not any(p.is_partial() for p in x.placements), (msg, x.placements)
+            for p, q in zip(pl, x.placements):  # only the Partial mesh dims moved
+                assert p.is_partial() or p == q, (msg, x.placements)
+            assert tuple(x._local_tensor.shape) == x._spec.local_shape(), msg
+            # one reduction per Partial mesh dim at most, nothing else
+            assert 1 <= comm.get_total_counts() <= n_partial, (msg, dict(comm.get_comm_counts()))
+            torch.testing.assert_close(x.full_tensor(), want, msg=msg)
+
+
+@distributed(world_size=4)
+@pytest.mark.parametrize("name", list(LINEAR))
+def test_linear_inplace_keeps_partial_without_communication(name):
+    fn = LINEAR[name]
+    for mesh, pl in _layouts():
+        x, p = _partial(mesh, pl), _partial(mesh, pl)
+        other = _replicate(x)
+        want = fn(x.full_tensor(), other.full_tensor(), p.full_tensor())
+        local = x._local_tensor
+        with CommDebugMode() as comm:
+            out = fn(x, other, p)
+        msg = f"{name}, {pl} on {mesh.shape}"
+        assert out is x and x.placements == tuple(pl), (msg, x.placements)
+        assert comm.get_total_counts() == 0, (msg, dict(comm.get_comm_counts()))
+        assert x._local_tensor is local, msg  # written where it was
+        torch.testing.assert_close(x.full_tensor(), want, msg=msg)
+
+
+@distributed(world_size=4)
+def test_shared_destination_raises_and_keeps_its_value():
+    for mesh, pl in _layouts():
+        # a view of another DTensor: its base would keep the Partial placement
+        x = _partial(mesh, pl) * 1.0
+        before = x.full_tensor()
+        v = x.t()  # a view that moves no data on every layout here
+        with pytest.raises(RuntimeError, match="view of another DTensor"):
+            v.sqrt_()
+        # a DTensor with a live view: the view's pieces would change meaning under it
+        with pytest.raises(RuntimeError, match="shares its memory"):
+            x.sqrt_()
+        assert x.placements == tuple(pl) and v.placements == x.t().placements
+        torch.testing.assert_close(x.full_tensor(), before)
+        # a linear op on the view still writes through to the base, placements kept
+        v.mul_(2.0)
+        torch.testing.assert_close(x.full_tensor(), 2 * before)
+        del v
+        # the local piece held by the caller
+        with torch.no_grad():
+            piece = x.to_local()
+        with pytest.raises(RuntimeError, match="referenced elsewhere"):
+            x.sqrt_()
+        del piece
+        gc.collect()  # the caught errors' tracebacks kept the view alive in a reference cycle
+        x.sqrt_()  # nothing aliases it any more
+        torch.testing.assert_close(x.full_tensor(), (2 * before).sqrt())
+
+
+@distributed(world_size=4)
+def test_foreach_inplace_reduces_each_partial_destination():
+    for mesh, pl in _layouts():
+        xs = [_partial(mesh, pl), _partial(mesh, pl, (8, 2))]
+        want = [x.full_tensor().sqrt() for x in xs]
+        torch._foreach_sqrt_(xs)
+        for x, w in zip(xs, want):
+            assert not any(p.is_partial() for p in x.placements), (pl, x.placements)
+            torch.testing.assert_close(x.full_tensor(), w)
+        ys = [_partial(mesh, pl), _partial(mesh, pl, (8, 2))]
+        want = [y.full_tensor() * 3 for y in ys]
+        with CommDebugMode() as comm:
+            torch._foreach_mul_(ys, 3.0)  # linear: stays Partial, nothing moves
+        assert comm.get_total_counts() == 0 and all(y.placements == tuple(pl) for y in ys)
+        for y, w in zip(ys, want):
+            torch.testing.assert_close(y.full_tensor(), w)
+
+
+@distributed(world_size=4)
+def test_cosine_embedding_loss_forward_backward():
+    # the op_db case: a sum over the sharded last dim is Partial, then torch's composite sqrt_'s it
+    torch.manual_seed(0)
+    a, b = torch.randn(6, 8), torch.randn(6, 8)
+    target = torch.tensor([1, -1, 1, 1, -1, -1])
+    for mesh, pl in [(init_device_mesh("cpu", (4,)), [Shard(1)]),
+                     (init_device_mesh("cpu", (2, 2)), [Shard(0), Shard(1)])]:
+        pa, pb = a.clone().requires_grad_(), b.clone().requires_grad_()
+        want = torch.nn.functional.cosine_embedding_loss(pa, pb, target, margin=0.1)
+        want.backward()
+        for _ in range(2):  # again from the cached decisions
+            da = distribute_tensor(a, mesh, pl).requires_grad_()
+            db = distribute_tensor(b, mesh, pl).requires_grad_()
+            dt = distribute_tensor(target, mesh, [R] * mesh.ndim)
+            got = torch.nn.functional.cosine_embedding_loss(da, db, dt, margin=0.1)
+            torch.testing.assert_close(got.full_tensor(), want.detach())
+            got.backward()
+            torch.testing.assert_close(da.grad.full_tensor(), pa.grad)
+            torch.testing.assert_close(db.grad.full_tensor(), pb.grad)
