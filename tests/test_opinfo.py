@@ -157,7 +157,16 @@ OP_DB_PASSES = {  # name -> (mesh shape, placements for a tensor of ndim >= 1)
     "S0,S0": ((2, 2), lambda nd: ["S0", "S0"]),
     "R,S0": ((2, 2), lambda nd: ["R", "S0"]),
 }
+# Run by name only (DTL_OPINFO_PASSES): inputs Partial on one mesh dim, each rank holding a
+# different weighted piece (a sum over ranks; the in-place variants' destinations in particular)
+OPT_IN_PASSES = {
+    "P": ((4,), lambda nd: ["P"]),
+    "S0,P": ((2, 2), lambda nd: ["S0", "P"]),
+}
 FULL_OP_DB = os.environ.get("DTL_OPINFO_FULL") == "1"
+# DTL_OPINFO_INPLACE=1: run each OpInfo's in-place variant (ops without one are skipped), forward
+# only, comparing the result and the written tensor
+INPLACE_OP_DB = os.environ.get("DTL_OPINFO_INPLACE") == "1"
 OP_DB_SEED = int(os.environ.get("DTL_OPINFO_SEED", datetime.date.today().toordinal()))
 OPS_PER_PASS = 20  # sampled mode: 5 passes x 20 ops, forward and backward
 OP_DB_BATCH = 8 if FULL_OP_DB else 24  # ops per call into the worker pool (a hang loses one)
@@ -214,7 +223,24 @@ def _op_db_entries():
 def _placement(code, Replicate=None, Shard=None):
     if Replicate is None:
         from dtensor_lite import Replicate, Shard
+    if code == "P":
+        from dtensor_lite import Partial
+        return Partial()
     return Replicate() if code == "R" else Shard(int(code[1:]))
+
+
+def _weighted_partial(t, mesh, pl):
+    """``t`` on ``mesh`` with the Partial mesh dims holding weighted pieces (weights k+1 over
+    their sum), so that an op that should have reduced first gives other values."""
+    from dtensor_lite import DTensor, Replicate, distribute_tensor
+    d = distribute_tensor(t, mesh, [Replicate() if p.is_partial() else p for p in pl],
+                          src_data_rank=None)
+    local = d.to_local().clone()
+    for i, p in enumerate(pl):
+        if p.is_partial():
+            n = mesh.shape[i]
+            local = local * ((mesh.get_coordinate()[i] + 1) / (n * (n + 1) / 2))
+    return DTensor.from_local(local, mesh, pl, shape=t.shape, stride=t.stride())
 
 
 def place_sample(args, kwargs, mesh, codes, distribute, Replicate=None, Shard=None):
@@ -231,7 +257,12 @@ def place_sample(args, kwargs, mesh, codes, distribute, Replicate=None, Shard=No
             pl = [_placement("R", Replicate, Shard)] * mesh.ndim
         else:
             pl = [_placement(c, Replicate, Shard) for c in codes(t.ndim)]
-        d = distribute(t.detach(), mesh, pl, src_data_rank=None)
+        if any(p.is_partial() for p in pl) and t.is_floating_point():
+            d = _weighted_partial(t.detach(), mesh, pl)
+        else:
+            if any(p.is_partial() for p in pl):  # integer / bool tensors stay whole
+                pl = [_placement("R", Replicate, Shard)] * mesh.ndim
+            d = distribute(t.detach(), mesh, pl, src_data_rank=None)
         if t.requires_grad:
             d.requires_grad_()
             placed.append(d)
@@ -265,6 +296,10 @@ def _compare(got, want, what):
 
 
 class _Mismatch(Exception):
+    pass
+
+
+class _NoVariant(Exception):
     pass
 
 
@@ -304,11 +339,16 @@ def _one_case(info, sample, mesh, codes, seed):
     args, kwargs = tree_map(_own_storage, ((sample.input, *sample.args), dict(sample.kwargs)))
     plain_leaves = [t for t in tree_flatten((args, kwargs))[0]
                     if isinstance(t, torch.Tensor) and t.requires_grad]
+    fn = info.inplace_variant if INPLACE_OP_DB else info.op
     torch.manual_seed(seed)
-    want = info.op(*args, **kwargs)
     dargs, dkwargs, placed = place_sample(args, kwargs, mesh, codes, distribute_tensor)
+    want = fn(*args, **kwargs)
     torch.manual_seed(seed)
-    got = info.op(*dargs, **dkwargs)
+    got = fn(*dargs, **dkwargs)
+    if INPLACE_OP_DB:
+        if got is not dargs[0]:
+            raise _Mismatch("in-place variant: the result is not the written DTensor")
+        _compare(dargs[0], args[0], "written tensor")
     if info.name.startswith(("empty", "new_empty")) or "empty" in info.name.split("."):
         want, got = tree_map(lambda t: t.shape if isinstance(t, torch.Tensor) else t,
                              (want, got))  # uninitialised memory: shapes only
@@ -344,7 +384,7 @@ def _run_op_db_batch(pass_name, keys, n_samples):
     from dtensor_lite.debug import FallbackRedistributeWarning
     warnings.filterwarnings("ignore")  # OpInfo samples call deprecated ops; fallbacks warn
     by_key = {_op_key(o): o for o in op_db}
-    mesh_shape, codes = OP_DB_PASSES[pass_name]
+    mesh_shape, codes = {**OP_DB_PASSES, **OPT_IN_PASSES}[pass_name]
     mesh = init_device_mesh("cpu", mesh_shape)
     results = {}
     for key in keys:
@@ -355,10 +395,16 @@ def _run_op_db_batch(pass_name, keys, n_samples):
         try:
             torch.manual_seed(0)
             samples = []
-            for s in info.sample_inputs("cpu", torch.float32, requires_grad=info.supports_autograd):
+            if INPLACE_OP_DB and info.inplace_variant is None:
+                raise _NoVariant
+            for s in info.sample_inputs("cpu", torch.float32,
+                                        requires_grad=info.supports_autograd and not INPLACE_OP_DB):
                 try:
                     torch.manual_seed(1)
-                    info.op(s.input, *s.args, **s.kwargs)
+                    if INPLACE_OP_DB:
+                        info.inplace_variant(_own_storage(s.input), *s.args, **s.kwargs)
+                    else:
+                        info.op(s.input, *s.args, **s.kwargs)
                 except Exception:  # noqa: BLE001 - a sample plain torch rejects is no test
                     continue
                 samples.append(s)
@@ -367,6 +413,8 @@ def _run_op_db_batch(pass_name, keys, n_samples):
             for s in samples:
                 _one_case(info, s, mesh, codes, 1)
                 status, detail = "pass", ""
+        except _NoVariant:
+            status, detail = "skip", "no in-place variant"
         except _Mismatch as e:
             status, detail = "mismatch", str(e)
         except CLEAN_ERRORS as e:
