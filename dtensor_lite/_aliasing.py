@@ -171,8 +171,8 @@ def rewrap_in_place(op, args, kwargs, dt):
 
 # ------------------------------------------------------------------ in-place destinations that move
 # An in-place op whose destination is Partial and whose values cannot stay a sum of pieces
-# (``sqrt_``, ``clamp_``, ``add_`` of a Replicate, ...): plain torch's values require the Partial
-# reduced first. The destination DTensor itself is redistributed -- its local piece and spec
+# (``sqrt_``, ``clamp_``, ``exp_``, ``mul_(-1)`` of a Partial(min), ...): plain torch's values
+# require the Partial reduced first. The destination DTensor itself is redistributed -- its local piece and spec
 # become the reduced ones -- and the op then writes into the new piece, so the user's tensor
 # object holds the right values at the new placement (torch's DTensor raises here). That is only
 # sound where nothing else aliases the piece: a view of another DTensor, or a DTensor with views

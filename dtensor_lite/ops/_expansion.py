@@ -43,7 +43,7 @@ def expand_strategies(call: OpCall, strategies, mutated=None) -> FullStrategy:
     pieces): there the values require the destination reduced first, so the cheapest strategy
     that reduces it (to Replicate, or to a Shard where the rule allows one) and writes the
     result at that placement is chosen, and the dispatcher moves the destination itself
-    (``_aliasing.check_relayout``)."""
+    (``_aliasing.relayout_destination``)."""
     inputs = call.inputs
     strategies = [_normalize_strategy(s, len(inputs)) for s in strategies]
     chosen = []
