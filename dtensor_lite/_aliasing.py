@@ -18,12 +18,13 @@ from .dtensor import DTensor
 from .ops import _registry
 from .ops._expansion import only_reduces_partials
 from .ops._registry import UnsupportedOpError
+from .placements import Replicate
 from .redistribute import plan_redistribute
 from .spec import DTensorSpec, TensorMeta
 
 __all__ = ["COPIED_VIEWS", "check_not_copied_view", "mark_if_copied_view", "OutDecision",
            "functional_overload", "written_inputs", "rewrap_in_place", "INPLACE_VIEW",
-           "inplace_view_decision", "relayout_allowed", "check_relayout_private",
+           "inplace_view_decision", "relayout_allowed", "relayout_blocker", "write_through",
            "relayout_destination"]
 
 INPLACE_VIEW = torch.Tag.inplace_view
@@ -172,12 +173,14 @@ def rewrap_in_place(op, args, kwargs, dt):
 # ------------------------------------------------------------------ in-place destinations that move
 # An in-place op whose destination is Partial and whose values cannot stay a sum of pieces
 # (``sqrt_``, ``clamp_``, ``exp_``, ``mul_(-1)`` of a Partial(min), ...): plain torch's values
-# require the Partial reduced first. The destination DTensor itself is redistributed -- its local piece and spec
-# become the reduced ones -- and the op then writes into the new piece, so the user's tensor
-# object holds the right values at the new placement (torch's DTensor raises here). That is only
-# sound where nothing else aliases the piece: a view of another DTensor, or a DTensor with views
-# or other aliases of its piece, would keep the old placement over memory that now means
-# something else, so those raise instead.
+# require the Partial reduced first. The destination DTensor itself is redistributed -- its local
+# piece and spec become the reduced ones -- and the op then writes into the new piece, so the
+# user's tensor object holds the right values at the new placement, with one reduction (torch's
+# DTensor raises here). That is only sound where nothing else aliases the piece: a view of another
+# DTensor, or a DTensor with views or other aliases of its piece, would keep the old placement
+# over memory that now means something else. There the op runs out of place and its result is
+# copied into the destination at the destination's own placements (``write_through``): the
+# same values, every alias sees them, and the destination stays Partial.
 
 def relayout_allowed(spec: DTensorSpec, target: DTensorSpec, out_placements) -> bool:
     """Decided once per cached decision: may an in-place op move its destination from ``spec``
@@ -187,23 +190,35 @@ def relayout_allowed(spec: DTensorSpec, target: DTensorSpec, out_placements) -> 
         and only_reduces_partials(spec.placements, target.placements)
 
 
-def check_relayout_private(op, dt: DTensor, target: DTensorSpec) -> None:
-    """Per call, before anything moves: ``dt``'s piece must be its own (see above)."""
+def relayout_blocker(dt: DTensor):
+    """Per call, before anything moves: None if ``dt``'s piece is its own, else why not. This
+    reads this rank's memory; an SPMD program takes the same views and aliases on every rank, so
+    every rank answers alike."""
     if dt._is_view():
-        why = "it is a view of another DTensor, whose placements would stay as they are"
-    else:
-        why = _piece_aliases(dt._local_tensor)
-    if why is None:
-        return
-    # not posted to the other ranks (_failures): a posted failure ends the job, and these
-    # conditions hold on every rank alike -- a view is a view everywhere, and an SPMD program
-    # takes the same views and aliases of its pieces on every rank
-    raise RuntimeError(
-        f"{op} writes in place into a DTensor {tuple(dt.shape)} with placements "
-        f"{list(dt.placements)}, which the op cannot keep (the result is no longer a sum of "
-        f"pieces): the DTensor would have to become {list(target.placements)} in place, but "
-        f"{why}. Reduce it first (x = x.redistribute(mesh, {list(target.placements)}) on the "
-        "tensor the views were taken from), or use the out-of-place op")
+        return "it is a view of another DTensor"
+    return _piece_aliases(dt._local_tensor)
+
+
+def write_through(op, args, kwargs, dt: DTensor, target: DTensorSpec, why: str):
+    """``op`` on an aliased destination ``dt`` (see above): the functional op, then ``copy_``
+    into ``dt`` at its own placements (a Partial takes a Replicate or Shard result for free)."""
+    name = op._schema.name.split("::")[-1]
+    functional = functional_overload(op, name[:-1]) if name.endswith("_") else None
+    if functional is None:
+        raise RuntimeError(
+            f"{op} writes in place into a DTensor {tuple(dt.shape)} with placements "
+            f"{list(dt.placements)}, which the op cannot keep: the DTensor would have to become "
+            f"{list(target.placements)} in place, but {why}, and the op has no out-of-place "
+            f"overload to write through. Reduce it first (redistribute the tensor the views were "
+            f"taken from to {list(target.placements)})")
+    # the destination's Partial dims reduced to Replicate (one reduction each), so the result
+    # comes replicated there and copying it back into the Partial is local (a Shard the
+    # in-place decision might prefer could cost a gather to turn back, under a nested shard order)
+    moved = dt.redistribute(dt.device_mesh, [Replicate() if p.is_partial() else p
+                                             for p in dt.placements])
+    swap = lambda a: moved if a is dt else a  # noqa: E731
+    result = functional(*[swap(a) for a in args], **{k: swap(v) for k, v in kwargs.items()})
+    return dt.copy_(result)
 
 
 def _piece_aliases(local: torch.Tensor):

@@ -204,7 +204,10 @@ class _Decision:
             _aliasing.check_not_copied_view(self, dts)
         targets = self.targets
         if self.relayout:  # before anything moves: the destination's piece must be its own
-            _aliasing.check_relayout_private(self.op, dts[self.mutated], targets[self.mutated])
+            why = _aliasing.relayout_blocker(dts[self.mutated])
+            if why is not None:
+                return _aliasing.write_through(self.op, args, kwargs, dts[self.mutated],
+                                               targets[self.mutated], why)
         if self.needs_redistribute:
             if debug_state.EXPLICIT:
                 _observe_rule_redistribute(self.op, dts, targets)

@@ -230,16 +230,17 @@ def _placement(code, Replicate=None, Shard=None):
 
 
 def _weighted_partial(t, mesh, pl):
-    """``t`` on ``mesh`` with the Partial mesh dims holding weighted pieces (weights k+1 over
-    their sum), so that an op that should have reduced first gives other values."""
+    """``t`` on ``mesh`` with each Partial mesh dim split into pieces t/2, t/2, 0, ... (by
+    coordinate): an op that should have reduced first gives other values (2 f(t/2) + (n-2) f(0)
+    is not f(t)), and the sum is exact in any order (ill-conditioned ops such as tan near its
+    poles would turn a rounded split into a mismatch)."""
     from dtensor_lite import DTensor, Replicate, distribute_tensor
     d = distribute_tensor(t, mesh, [Replicate() if p.is_partial() else p for p in pl],
                           src_data_rank=None)
     local = d.to_local().clone()
     for i, p in enumerate(pl):
         if p.is_partial():
-            n = mesh.shape[i]
-            local = local * ((mesh.get_coordinate()[i] + 1) / (n * (n + 1) / 2))
+            local = local * (0.5 if mesh.get_coordinate()[i] < 2 else 0.0)
     return DTensor.from_local(local, mesh, pl, shape=t.shape, stride=t.stride())
 
 
