@@ -19,7 +19,7 @@ from .ops import _registry
 from .ops._expansion import only_reduces_partials
 from .ops._registry import UnsupportedOpError
 from .placements import Replicate
-from .redistribute import plan_redistribute
+from .redistribute import plan_redistribute, redistribute_local
 from .spec import DTensorSpec, TensorMeta
 
 __all__ = ["COPIED_VIEWS", "check_not_copied_view", "mark_if_copied_view", "OutDecision",
@@ -214,8 +214,12 @@ def write_through(op, args, kwargs, dt: DTensor, target: DTensorSpec, why: str):
     # the destination's Partial dims reduced to Replicate (one reduction each), so the result
     # comes replicated there and copying it back into the Partial is local (a Shard the
     # in-place decision might prefer could cost a gather to turn back, under a nested shard order)
-    moved = dt.redistribute(dt.device_mesh, [Replicate() if p.is_partial() else p
-                                             for p in dt.placements])
+    # (redistribute_local, not DTensor.redistribute: this runs below autograd, whose node for
+    # the in-place op itself is already recorded)
+    spec = dt._spec
+    reduced = spec.with_placements([Replicate() if p.is_partial() else p for p in spec.placements],
+                                   spec.shard_order)
+    moved = DTensor(redistribute_local(dt._local_tensor, spec, reduced), reduced)
     swap = lambda a: moved if a is dt else a  # noqa: E731
     result = functional(*[swap(a) for a in args], **{k: swap(v) for k, v in kwargs.items()})
     return dt.copy_(result)

@@ -154,6 +154,22 @@ def test_shared_destination_is_written_through_at_its_placement():
 
 
 @distributed(world_size=4)
+def test_written_through_view_backward():
+    # autograd over both paths: a view of a non-leaf written through, and the non-leaf reduced
+    for mesh, pl in _layouts():
+        leaf = _partial(mesh, pl).requires_grad_()
+        whole = leaf.full_tensor().detach().requires_grad_()
+        w = torch.arange(24.0).view(4, 6)
+        dw = distribute_tensor(w, mesh, [R] * mesh.ndim)
+        for t, weights in ((leaf, dw), (whole, w)):
+            y, z = t * 1.0, t * 0.5
+            y.t().sqrt_()  # a view of y: written through at y's placements
+            z.exp_()  # nothing aliases z: z itself is reduced
+            ((y + z) * weights).sum().backward()
+        torch.testing.assert_close(leaf.grad.full_tensor(), whole.grad, msg=str(pl))
+
+
+@distributed(world_size=4)
 def test_foreach_inplace_reduces_each_partial_destination():
     for mesh, pl in _layouts():
         xs = [_partial(mesh, pl), _partial(mesh, pl, (8, 2))]
