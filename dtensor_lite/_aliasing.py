@@ -3,8 +3,10 @@ overloads, writes through in-place ops, and views that had to copy.
 
 The dispatcher (``_dispatch``) decides and runs ordinary ops; everything here is about *which
 tensor a result is*, not how it is sharded: an in-place view op changes the DTensor itself, an
-``out=`` op writes into the given DTensors, and a view whose input had to be redistributed is a
-copy that must refuse writes (plain torch would write through to the viewed tensor).
+``out=`` op writes into the given DTensors, a view whose input had to be redistributed is a
+copy that must refuse writes (plain torch would write through to the viewed tensor), and an
+in-place op on a Partial it cannot keep reduces its destination in place, or writes through
+where other tensors alias it.
 """
 from __future__ import annotations
 
