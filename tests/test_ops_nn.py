@@ -474,8 +474,10 @@ def test_sdpa_communication():
     assert comm.get_comm_counts() == {"all_gather": 2}
     torch.testing.assert_close(out.full_tensor(), ref)
     # ... and for large ones it is cheaper to re-split them by heads (all-to-all, as in Ulysses:
-    # 1.5 pieces' bytes against 2) once the bytes saved outweigh a collective's latency
-    bq, bk, bv = (_rand(2, 4, 1024, 16, seed=s) for s in range(3))
+    # 1.5 pieces' bytes against 2) once the bytes saved outweigh a collective's latency and
+    # the one the head-sharded result will cost its consumer (ops/_expansion.py's
+    # _resolve_later): 512 KB pieces
+    bq, bk, bv = (_rand(2, 4, 1024, 64, seed=s) for s in range(3))
     dq, dk, dv = (_dist(t, mesh, [Shard(0), Shard(2)]) for t in (bq, bk, bv))
     with CommDebugMode() as comm:
         out = F.scaled_dot_product_attention(dq, dk, dv, is_causal=True)

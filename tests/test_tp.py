@@ -337,6 +337,35 @@ def test_sequence_parallel_uneven_local_pieces():
 
 
 @distributed(world_size=2, timeout=60)
+def test_local_output_of_a_style_keeps_its_global_shape():
+    """A local tensor that a style's use_local_output made (a Shard(1) embedding output, 5
+    positions: pieces 3 and 2) carries its DTensor's global shape: SequenceParallel and a
+    gather of it need no exchange of sizes (PyTorch's test_layer_norm_bwd_req_grad counts); a
+    piece resized in place since is an error on every rank, not a wrong shape."""
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    emb, norm, lin = nn.Embedding(11, 4), nn.LayerNorm(4), nn.Linear(4, 6)
+    ref = lin(norm(emb(ids := torch.randint(11, (2, 5)))))
+    emb_tp = parallelize_module(copy.deepcopy(emb), mesh, RowwiseParallel(
+        input_layouts=Replicate(), output_layouts=Shard(1)))
+    norm_tp = parallelize_module(copy.deepcopy(norm), mesh, SequenceParallel(use_local_output=True))
+    lin_tp = parallelize_module(copy.deepcopy(lin), mesh, ColwiseParallel(
+        input_layouts=Shard(1), output_layouts=Replicate()))
+    with CommDebugMode() as comm:
+        h = emb_tp(ids)
+        assert not isinstance(h, DTensor) and h.shape[1] == (3, 2)[mesh.get_rank()]
+        out = lin_tp(norm_tp(h))
+    # the reduce-scatter, the gather of the normed pieces, the gather of the output features
+    assert comm.get_comm_counts() == {"reduce_scatter": 1, "all_gather": 2}
+    torch.testing.assert_close(out, ref)
+    with torch.no_grad():
+        h = emb_tp(ids)
+    h.resize_(2, 1, 4)
+    with pytest.raises(ValueError, match="resized in place"):
+        norm_tp(h)
+
+
+@distributed(world_size=2, timeout=60)
 def test_colwise_shard_input_carries_its_size_in_the_gather():
     """ColwiseParallel(input_layouts=Shard(0)) on local batch pieces: the first call learns the
     pieces' sizes (metadata exchange), later ones gather once with the size in an 8-byte header

@@ -14,7 +14,11 @@ the mesh size does not divide. A piece that is gathered whole anyway (Shard -> R
 ``ColwiseParallel(input_layouts=Shard(0))``) carries its size in the gather itself
 (``dtensor_lite/gather_pieces.py``): one collective per call once warm, as PyTorch's. A DTensor
 input knows its shape and needs no exchange, which is why the example Llama keeps its
-sequence-parallel residual stream as DTensors.
+sequence-parallel residual stream as DTensors. Nor does a local tensor that a style's own
+``use_local_output`` made from a DTensor (``local_piece``): it carries that DTensor's mesh,
+placement and global shape, so the next style reads them instead of exchanging (PyTorch's
+``RowwiseParallel(output_layouts=Shard(1))`` then ``SequenceParallel()`` costs the same
+collectives on both libraries).
 """
 from __future__ import annotations
 
@@ -25,7 +29,11 @@ from dtensor_lite.compile_support import boundary
 from dtensor_lite.gather_pieces import agreement_applies, gather_local_pieces, pieces_global_shape
 from dtensor_lite.debug_state import comm_cause
 
-__all__ = ["one_layout", "to_dtensor", "convert"]
+__all__ = ["one_layout", "to_dtensor", "convert", "local_piece"]
+
+# attribute on a local piece handed out by local_piece: (mesh, placement, local shape,
+# global shape) of the DTensor it came from
+_KNOWN = "_dtl_tp_piece_of"
 
 
 def one_layout(layout, what: str) -> Placement | None:
@@ -47,6 +55,34 @@ def _normalized(layout: Placement, ndim: int) -> Placement:
     return layout
 
 
+def local_piece(dt):
+    """``dt.to_local()`` for a 1-D Shard DTensor, remembering (on the returned tensor) the mesh,
+    placement and global shape, so that a style declaring the same layout for it on the same mesh
+    needs no exchange of the pieces' sizes; anything else is returned as ``to_local`` does."""
+    local = dt.to_local() if isinstance(dt, DTensor) else dt
+    if isinstance(dt, DTensor) and len(dt.placements) == 1 and dt.placements[0].is_shard():
+        try:
+            setattr(local, _KNOWN, (dt.device_mesh, dt.placements[0], local.shape, dt.shape))
+        except (AttributeError, RuntimeError):  # a tensor subclass without a __dict__
+            pass
+    return local
+
+
+def _known_shape(x, mesh, placement, who):
+    """The global shape ``local_piece`` recorded on ``x`` for this mesh and placement, or None.
+    Same program on every rank, same answer on every rank: the record exists or not by the code
+    path, and its shape check fails only for a piece resized in place (an error, not a guess)."""
+    known = getattr(x, _KNOWN, None)
+    if known is None or known[0] != mesh or known[1] != placement:
+        return None
+    if x.shape != known[2]:
+        raise ValueError(f"{who}: a local input made by a style's use_local_output as the "
+                         f"{placement} piece of a {tuple(known[3])} tensor was resized in place "
+                         f"from {tuple(known[2])} to {tuple(x.shape)}; pass a DTensor or a new "
+                         "tensor instead")
+    return known[3]
+
+
 def to_dtensor(x, mesh: DeviceMesh, layout: Placement, shape=None, *, who: str = "") -> DTensor:
     """``x`` as a DTensor: DTensors pass as they are, local tensors are declared ``layout``."""
     if isinstance(x, DTensor):
@@ -55,6 +91,8 @@ def to_dtensor(x, mesh: DeviceMesh, layout: Placement, shape=None, *, who: str =
         raise ValueError(f"{who}: expected a tensor input to lay out as {layout}, got "
                          f"{type(x).__name__}")
     placements = [_normalized(layout, x.ndim)]
+    if shape is None and layout.is_shard():
+        shape = _known_shape(x, mesh, placements[0], who)
     if shape is None and layout.is_shard():
         with comm_cause(who or "tp layout", "global shape"):
             shape = pieces_global_shape(x, mesh, placements, who=who,
@@ -71,16 +109,19 @@ def convert(x, mesh: DeviceMesh, layout: Placement | None, desired: Placement | 
     """
     if layout is None:
         return x
+    if shape is None and layout.is_shard() and isinstance(x, torch.Tensor) and \
+            not isinstance(x, DTensor):
+        shape = _known_shape(x, mesh, _normalized(layout, x.ndim), who)
     if (shape is None and layout.is_shard() and desired is not None and desired.is_replicate()
             and isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
             and agreement_applies(mesh)):
         # a local piece gathered whole: its size rides with the data (one collective once warm)
         with comm_cause(who or "tp layout", "gather pieces"):
             dt = gather_local_pieces(x, mesh, _normalized(layout, x.ndim).dim, who=who)
-        return dt.to_local() if use_local else dt
+        return local_piece(dt) if use_local else dt
     dt = to_dtensor(x, mesh, layout, shape, who=who)
     if desired is not None:
         want = _normalized(desired, dt.ndim)
         if dt.placements != (want,):
             dt = dt.redistribute(mesh, [want])
-    return dt.to_local() if use_local else dt
+    return local_piece(dt) if use_local else dt

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from dtensor_lite import DeviceMesh, DTensor, Placement, Replicate, Shard, distribute_tensor
 
-from ._layouts import convert, one_layout
+from ._layouts import convert, local_piece, one_layout
 
 __all__ = ["ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
            "PrepareModuleInput", "PrepareModuleOutput"]
@@ -212,7 +212,7 @@ class SequenceParallel(ParallelStyle):
             lambda mod, x: convert(x, device_mesh, layout, layout, use_local=False, who=who)))
         if self.use_local_output:
             module.register_forward_hook(
-                lambda mod, inputs, out: out.to_local() if isinstance(out, DTensor) else out)
+                lambda mod, inputs, out: local_piece(out) if isinstance(out, DTensor) else out)
         return module
 
 

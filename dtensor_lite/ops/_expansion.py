@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 
 from ..placements import reductions_mix
-from ..redistribute.steps import estimate_cost
+from ..redistribute.steps import COLLECTIVE_LATENCY_BYTES, estimate_cost
 from ..spec import DTensorSpec, shard_orders
 from ._registry import FullStrategy, OpCall
 
@@ -23,6 +23,18 @@ def _estimate(spec: DTensorSpec, i: int, p, q) -> float:
     plus the planner's latency term per collective."""
     local = math.prod(spec.local_shape_and_offset((0,) * spec.mesh.ndim)[0]) * spec.dtype.itemsize
     return estimate_cost(p, q, local, spec.mesh.shape[i])
+
+
+def _resolve_later(p, q, outs) -> float:
+    """What a strategy that moves an input from ``p`` to ``q`` on one mesh dim leaves its
+    consumer to pay: an all_to_all (Shard -> Shard) keeps the op's result sharded on a dim the
+    caller did not choose, where gathering would have left it whole, and a consumer that needs
+    it whole (the next layer's gather, ``full_tensor``) pays one more collective. Priced as that
+    collective's latency term, not its bytes: a small input is gathered once (PyTorch's choice
+    for topk, a norm over a sharded dim), a large one still takes the all_to_all's fewer bytes."""
+    if p.is_shard() and q.is_shard() and any(o is not None and o.is_shard() for o in outs):
+        return COLLECTIVE_LATENCY_BYTES
+    return 0.0
 
 
 def _normalize_strategy(s, n_inputs):
@@ -95,7 +107,7 @@ def _cheapest(inputs, strategies, chosen, i, mutated, reduce_destination):
                 continue  # an in-place op writes its result where its destination already is
         if not _partials_stay_compatible(chosen, outs, ins):
             continue  # e.g. P(max) on one mesh dim and P(avg) on another has no meaning
-        cost, exact = 0.0, True
+        cost, exact, later = 0.0, True, 0.0
         for spec, q in zip(inputs, ins):
             if q is None:
                 continue
@@ -103,7 +115,8 @@ def _cheapest(inputs, strategies, chosen, i, mutated, reduce_destination):
             if p != q:
                 exact = False
                 cost += _estimate(spec, i, p, q)
-        rank = (cost, not exact, k)
+                later = max(later, _resolve_later(p, q, outs))
+        rank = (cost + later, not exact, k)
         if best is None or rank < best[0]:
             best = (rank, outs, ins)
     return best

@@ -101,9 +101,9 @@ def _sdpa(call):
         call, outs_for=lambda d: (Shard(d), Shard(d)), rows_outs=lambda r: (Shard(r), Shard(r)),
         query=None)
     full = choose(call, strategies)
-    if _any_sharded(call, full):
-        start = _row_offset(call, full) if arg(call, "is_causal") else None
-        full.local_fn = functools.partial(_sdpa_local, row_start=start)
+    start = _row_offset(call, full) if _any_sharded(call, full) and arg(call, "is_causal") \
+        else None
+    full.local_fn = functools.partial(_sdpa_local, row_start=start)
     return full
 
 
@@ -114,9 +114,9 @@ def _sdpa_backward(call):
         call, outs_for=lambda d: (Shard(d),) * 3, rows_outs=lambda r: (Shard(r), P, P),
         grad_out=None, query=None, out=None, logsumexp=None)
     full = choose(call, strategies)
-    if _any_sharded(call, full):
-        start = _row_offset(call, full) if arg(call, "is_causal") else None
-        full.local_fn = functools.partial(_sdpa_backward_local, row_start=start)
+    start = _row_offset(call, full) if _any_sharded(call, full) and arg(call, "is_causal") \
+        else None
+    full.local_fn = functools.partial(_sdpa_backward_local, row_start=start)
     return full
 
 
@@ -138,8 +138,16 @@ def _empty(q, k, v):
     return q.numel() == 0 or k.numel() == 0 or v.numel() == 0
 
 
+def _unit_stride(*ts):
+    """The tensors with a last-dim stride of 1: the CPU flash kernels read a gathered piece of
+    the head dim (strides (.., 1, 90)) as if it were contiguous and return garbage."""
+    return [t.contiguous() if isinstance(t, torch.Tensor) and t.ndim and t.stride(-1) != 1
+            else t for t in ts]
+
+
 def _sdpa_local(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=None,
                 scale=None, row_start):
+    query, key, value, attn_mask = _unit_stride(query, key, value, attn_mask)
     if _empty(query, key, value):  # the kernel dies (SIGFPE) on empty heads or rows
         metas = SDPA_CPU(*[t.to("meta") for t in (query, key, value)], dropout_p, is_causal,
                          scale=scale)
@@ -151,6 +159,8 @@ def _sdpa_local(query, key, value, dropout_p=0.0, is_causal=False, *, attn_mask=
 
 def _sdpa_backward_local(grad_out, query, key, value, out, logsumexp, dropout_p, is_causal, *,
                          attn_mask=None, scale=None, row_start):
+    grad_out, query, key, value, out, attn_mask = _unit_stride(grad_out, query, key, value, out,
+                                                               attn_mask)
     if _empty(query, key, value):  # no queries here: nothing flows to any key or value
         return torch.zeros_like(query), torch.zeros_like(key), torch.zeros_like(value)
     if row_start is not None:

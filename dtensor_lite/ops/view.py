@@ -212,6 +212,14 @@ def _flat_range(dims, full, piece, offset):
     return (start, length)
 
 
+def _size1_carried(og, ng, old, new) -> bool:
+    """A run that is one size-1 dim before and after (``(1, 2, 2) -> (1, 4)``'s first dim):
+    a shard of it (one rank holds the row, the others empty pieces) stays a shard of the new
+    dim, with every rank's piece unchanged, so the view moves nothing (PyTorch's
+    test_dtensor_view_op_uneven)."""
+    return len(og) == 1 and len(ng) == 1 and old[og[0]] == 1 and new[ng[0]] == 1
+
+
 def _assign_reshape(spec, old, new, groups, seqs):
     """Input/output placements and orders when run ``g`` keeps the mesh dims ``seqs[g]``.
 
@@ -224,6 +232,13 @@ def _assign_reshape(spec, old, new, groups, seqs):
     in_order = [[] for _ in old]
     out_order = [[] for _ in new]
     for g, (og, ng) in enumerate(groups):
+        if _size1_carried(og, ng, old, new):  # the same piece: the rank holding it keeps it
+            for i in seqs.get(g, ()):
+                k = spec.placements[i].dim
+                ins[i], outs[i] = Shard(k), Shard(ng[0])
+                in_order[k].append(i)
+                out_order[ng[0]].append(i)
+            continue
         real_new = [d for d in ng if new[d] != 1]
         t, split = 0, 1
         for i in seqs.get(g, ()):
@@ -250,8 +265,10 @@ def _reshape_strategy(call, out_shape, local_op):
     groups = _view_groups(old, new)
     # a shard of a size-1 dim (one rank holds it all) never lines up with a longer new dim: it
     # is replicated up front, so the alignment search below does not give up good shards for it
-    seqs = {g: [i for k in og if old[k] != 1 for i in spec.shard_order[k]]
-            for g, (og, ng) in enumerate(groups) if og and any(new[d] != 1 for d in ng)}
+    seqs = {g: [i for k in og if old[k] != 1 or _size1_carried(og, ng, old, new)
+                for i in spec.shard_order[k]]
+            for g, (og, ng) in enumerate(groups)
+            if og and (any(new[d] != 1 for d in ng) or _size1_carried(og, ng, old, new))}
     while True:
         ins, outs, in_order, out_order = _assign_reshape(spec, old, new, groups, seqs)
         bad = _misaligned_groups(spec, ins, outs, in_order, out_order, old, new, groups)
