@@ -84,6 +84,9 @@ class _Ordinary(Exception):
 _BUILTIN_TYPES = (types.BuiltinFunctionType, types.MethodDescriptorType,
                   types.WrapperDescriptorType, types.MethodWrapperType)
 _PURE_PYTHON = {F.relu, F.silu, F.dropout}  # dropout: reads only its arguments
+# functions that return their input untouched for some arguments only (dropout in eval or with
+# p=0) and draw for others: an empty recording rules out that key, not the function
+_IDENTITY_FOR_SOME = {F.dropout, torch.dropout}
 _NO_SHORTCUT = object()  # cached verdict: this key runs the ordinary way
 # functions that run the ordinary way whatever their arguments (checked before building a key)
 _ORDINARY: set = _caches.register_decisions(set())
@@ -199,7 +202,9 @@ def _learn(key, func, types_, args, kwargs, dts):
         del _dispatch.RECORDERS[next(i for i, r in enumerate(_dispatch.RECORDERS) if r is recorder)]
     if len(_SHORTCUTS) >= _dispatch._DECISIONS.max_size:
         _SHORTCUTS.clear()  # bounded like the decisions replays hold; relearning is one call
-    if not (type(func) in _BUILTIN_TYPES or func in _PURE_PYTHON) or not recorder or (
+    if not recorder and func in _IDENTITY_FOR_SOME and any(out is dt for dt in dts):
+        _SHORTCUTS[key] = _NO_SHORTCUT  # these arguments only: dropout in eval returns its input
+    elif not (type(func) in _BUILTIN_TYPES or func in _PURE_PYTHON) or not recorder or (
             isinstance(out, DTensor) and out is recorder[-1][4] and recorder[-1][0].is_view):
         _ORDINARY.add(func)  # whatever the arguments: no aten op, a view, or Python code
     else:
