@@ -118,7 +118,9 @@ def cache_key(op, args, kwargs, dts: list) -> tuple:
 def dispatch(op, args, kwargs):
     if debug_state.COMM_SINKS:  # CommDebugMode records which op caused each collective
         with debug_state.comm_cause(op):
-            return _dispatch(op, args, kwargs)
+            # a call _fast_path learns under CommDebugMode must still be recorded: an empty
+            # recording would mark its function as never replayable
+            return _recorded(op, args, kwargs) if RECORDERS else _dispatch(op, args, kwargs)
     if RECORDERS:
         return _recorded(op, args, kwargs)
     return _dispatch(op, args, kwargs)

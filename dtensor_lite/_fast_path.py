@@ -10,8 +10,10 @@ What a call dispatches is learned the first time it is seen: the call runs the o
 (through autograd and ``__torch_dispatch__``) while the dispatcher records each aten op, its
 decision and its result. The call becomes a shortcut only if every recorded op was a cache hit of
 the plain kind (``_Decision.fast``: nothing to redistribute, no custom aliasing, one tensor out)
-and writes nothing, no op is random, the last op's result is what the function returned and is
-not a view, and every DTensor the ops read is an argument of the call or an earlier op's result.
+and writes only into a tensor an earlier op of the call made (or is the call's one op), the last
+op's result is what the function returned and is not a view, and every DTensor the ops read is an
+argument of the call or an earlier op's result. A random op replays its decision's local function,
+so it draws exactly as dispatched, with the generator check before each draw (``random.py``).
 Then the replay runs exactly the local ops the dispatcher would run, with the same non-tensor
 arguments: the key holds every non-tensor argument by type and value (floats ``0.0``/``-0.0``
 apart), the input specs, and grad mode, which is all a builtin's decomposition reads of a
@@ -69,7 +71,6 @@ _dispatch_modes = torch._C._len_torch_dispatch_stack
 _autocast = torch._C._is_any_autocast_enabled
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 _fwad = torch.autograd.forward_ad
-_RANDOM = torch.Tag.nondeterministic_seeded
 _INPLACE_VIEW = torch.Tag.inplace_view
 _increment_version = torch._C._increment_version
 _RECORDERS = _dispatch.RECORDERS  # the list itself: learns append to and remove from it in place
@@ -82,7 +83,10 @@ class _Ordinary(Exception):
 # mode); Python functions may read anything (flags, globals), except these known pure ones
 _BUILTIN_TYPES = (types.BuiltinFunctionType, types.MethodDescriptorType,
                   types.WrapperDescriptorType, types.MethodWrapperType)
-_PURE_PYTHON = {F.relu, F.silu}
+_PURE_PYTHON = {F.relu, F.silu, F.dropout}  # dropout: reads only its arguments
+# functions that return their input untouched for some arguments only (dropout in eval or with
+# p=0) and draw for others: an empty recording rules out that key, not the function
+_IDENTITY_FOR_SOME = {F.dropout, torch.dropout}
 _NO_SHORTCUT = object()  # cached verdict: this key runs the ordinary way
 # functions that run the ordinary way whatever their arguments (checked before building a key)
 _ORDINARY: set = _caches.register_decisions(set())
@@ -198,7 +202,9 @@ def _learn(key, func, types_, args, kwargs, dts):
         del _dispatch.RECORDERS[next(i for i, r in enumerate(_dispatch.RECORDERS) if r is recorder)]
     if len(_SHORTCUTS) >= _dispatch._DECISIONS.max_size:
         _SHORTCUTS.clear()  # bounded like the decisions replays hold; relearning is one call
-    if not (type(func) in _BUILTIN_TYPES or func in _PURE_PYTHON) or not recorder or (
+    if not recorder and func in _IDENTITY_FOR_SOME and any(out is dt for dt in dts):
+        _SHORTCUTS[key] = _NO_SHORTCUT  # these arguments only: dropout in eval returns its input
+    elif not (type(func) in _BUILTIN_TYPES or func in _PURE_PYTHON) or not recorder or (
             isinstance(out, DTensor) and out is recorder[-1][4] and recorder[-1][0].is_view):
         _ORDINARY.add(func)  # whatever the arguments: no aten op, a view, or Python code
     else:
@@ -221,13 +227,16 @@ class _Replay:
             # with one tensor twice cannot teach (a call with distinct ones serves both)
             return None
         sources = {id(dt): j for j, dt in enumerate(dts)}  # DTensor -> index in the value list
+        fresh = set()  # indices of tensors an earlier op made (not views): only the call holds them
         steps = []
-        for op, args, kwargs, d, result in records:
-            if (type(d) is not _Decision or not d.fast or _RANDOM in op.tags
+        for i, (op, args, kwargs, d, result) in enumerate(records):
+            if (type(d) is not _Decision or not d.fast
                     or type(result) is not DTensor
                     or any(type(v) is DTensor for v in kwargs.values())
-                    # a write: only as the call's one op, and never one that re-views
-                    or (d.mutated is not None and (len(records) != 1 or _INPLACE_VIEW in op.tags))):
+                    # a write: never one that re-views; into an argument only as the call's one
+                    # op; else into a fresh tensor of the call's own (dropout's noise)
+                    or (d.mutated is not None and (_INPLACE_VIEW in op.tags or (
+                        len(records) != 1 and _written_source(d, args, sources) not in fresh)))):
                 return None
             slots = []
             for pos in d.flat_positions:
@@ -239,8 +248,11 @@ class _Replay:
             if any(_const(a) is None for k, a in enumerate(args) if k not in positions) or \
                     any(_const(v) is None for v in kwargs.values()):
                 return None  # a plain tensor or an object the replay could not bake in
-            if d.mutated is None:
-                sources[id(result)] = len(sources)
+            if d.mutated is None:  # a write returns its destination: known already
+                # run() appends every step's result: step i's is value len(dts) + i
+                sources[id(result)] = len(dts) + i
+                if d.view_src is None and not op.is_view:
+                    fresh.add(len(dts) + i)
             local_args = list(args)
             for pos in d.flat_positions:
                 local_args[pos] = args[pos]._local_tensor
@@ -329,6 +341,11 @@ class _Replay:
         r._local_tensor = out
         r._spec = self.spec
         return r
+
+
+def _written_source(d, args, sources):
+    """The value index of the DTensor a recorded in-place op wrote into."""
+    return sources.get(id(args[d.flat_positions[d.mutated]]))
 
 
 def _contiguous(shape):

@@ -465,3 +465,50 @@ def _orthogonal_body():
                                 1)
         assert out is w and w.shape == shape and w.placements == tuple(pl), (shape, pl)
         torch.testing.assert_close(w.full_tensor(), ref.detach(), rtol=0, atol=0)
+
+
+def _shortcut(func):
+    """The replay ``_fast_path`` learned for calls of ``func`` (None if none)."""
+    from dtensor_lite import _fast_path
+    return next((v for k, v in _fast_path._SHORTCUTS.items()
+                 if k[0] is func and v is not _fast_path._NO_SHORTCUT), None)
+
+
+@distributed(world_size=2)
+def test_replayed_random_calls_draw_as_plain_torch_and_still_check():
+    """Random calls the ``__torch_function__`` shortcut replays (learned on the first call):
+    plain torch's values and generator state on every call, no collective for a sharded
+    result, and for a replicated one the generator check on every replay, which finds ranks
+    seeded differently and repairs them with a warning."""
+    from dtensor_lite import _caches, _fast_path
+    mesh = init_device_mesh("cpu", (2,))
+    x = torch.randn(8, 6)
+    dx = distribute_tensor(x, mesh, [Shard(0)])
+    rx = distribute_tensor(x, mesh, [Replicate()])
+    z = distribute_tensor(torch.zeros(8, 6), mesh, [Shard(1)])
+    cases = [(dx, lambda: F.dropout(dx, 0.3), lambda: F.dropout(x, 0.3)),
+             (dx, lambda: torch.rand_like(dx), lambda: torch.rand_like(x)),
+             (z, lambda: z.normal_(), lambda: torch.zeros(8, 6).normal_()),
+             (rx, lambda: F.dropout(rx, 0.3), lambda: F.dropout(x, 0.3))]
+    _caches.clear_decisions()  # nothing learned by earlier tests in this worker
+    with _fast_path.enabled():
+        # dropout in eval returns its input (no op to replay): that rules out this key only
+        assert F.dropout(dx, 0.3, training=False) is dx
+        for d, ours, ref in cases:
+            for seed in range(3):  # learn, then replays
+                with CommDebugMode() as comm:
+                    a, b = _same_as_plain(ours, ref, seed)
+                _check(a, b)
+                checks = 0 if d.placements[0].is_shard() else 1
+                assert comm.get_comm_counts_by_op() == (
+                    {"rng_check": {"all_reduce": checks}} if checks else {})
+        # learned under CommDebugMode too (it counts collectives; a replay issues the same)
+        assert _shortcut(F.dropout) is not None and _shortcut(torch.Tensor.normal_) is not None
+        torch.manual_seed(100 + dist.get_rank())  # a user mistake: per-rank seeds
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            out = F.dropout(rx, 0.3)
+        assert any("differed across the ranks" in str(w.message) for w in caught)
+        pieces = [torch.empty(8, 6) for _ in range(2)]
+        dist.all_gather(pieces, out.to_local())
+        assert torch.equal(pieces[0], pieces[1])
