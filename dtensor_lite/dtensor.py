@@ -419,7 +419,9 @@ def _product_of_the_others(local: torch.Tensor, spec: DTensorSpec) -> torch.Tens
 class _ToLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dt, grad_placements):
-        ctx.spec = _grad_layout(dt._spec, grad_placements) or dt._spec
+        # grad_placements: the user's (checked here), or a DTensorSpec made by the library
+        ctx.spec = grad_placements if type(grad_placements) is DTensorSpec else \
+            _grad_layout(dt._spec, grad_placements) or dt._spec
         return dt._local_tensor.view_as(dt._local_tensor)
 
     @staticmethod
@@ -430,6 +432,8 @@ class _ToLocal(torch.autograd.Function):
                 f"to_local backward: local gradient of shape {tuple(grad.shape)} does not match "
                 f"placements {list(spec.placements)} (expected {spec.local_shape()}); pass "
                 "grad_placements= that describe the local gradient")
+        if grad.dtype == spec.dtype:
+            return DTensor(grad, spec), None
         meta = TensorMeta(spec.shape, spec.stride, grad.dtype)
         return DTensor(grad, DTensorSpec(spec.mesh, spec.placements, meta, spec.shard_order)), None
 
