@@ -274,6 +274,24 @@ def _strides_of_pieces(local: torch.Tensor, mesh: DeviceMesh, placements) -> tup
     return tuple(stride)
 
 
+def _cached_per_pair(fn):
+    """``fn(spec, grad_spec)`` computed once per pair of (interned) specs: backward passes ask
+    it per call, with the same pair every step."""
+    cache: dict = _caches.register_decisions({})
+
+    def cached(spec: DTensorSpec, grad_spec: DTensorSpec) -> DTensorSpec:
+        key = (spec, grad_spec)
+        out = cache.get(key)
+        if out is None:
+            if len(cache) >= _caches.PLANS_MAX:
+                cache.clear()
+            out = cache[key] = fn(spec, grad_spec)
+        return out
+    cached.__name__, cached.__doc__ = fn.__name__, fn.__doc__
+    return cached
+
+
+@_cached_per_pair
 def _grad_target(spec: DTensorSpec, grad_spec: DTensorSpec) -> DTensorSpec:
     """Gradients of a Partial value arrive Replicated: d(sum_i x_i)/dx_i = 1."""
     placements = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
@@ -281,6 +299,7 @@ def _grad_target(spec: DTensorSpec, grad_spec: DTensorSpec) -> DTensorSpec:
     return DTensorSpec(spec.mesh, placements, grad_spec.tensor_meta, order)
 
 
+@_cached_per_pair
 def _redistribute_grad_target(spec: DTensorSpec, grad_spec: DTensorSpec) -> DTensorSpec:
     """Where redistribute's backward puts the gradient of an input laid out as ``spec``: as
     :func:`_grad_target`, except that a mesh dim where both the input and the arriving gradient

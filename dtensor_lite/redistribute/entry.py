@@ -124,7 +124,28 @@ _NO_CAUSE = contextlib.nullcontext()  # reusable: it holds nothing
 
 def redistribute_target(src: DTensorSpec, device_mesh, placements) -> DTensorSpec:
     """The spec ``redistribute(device_mesh, placements)`` of a DTensor laid out as ``src`` aims
-    at, with the user's arguments checked."""
+    at, with the user's arguments checked (once per (spec, mesh, placements): a training step
+    asks the same every time)."""
+    try:
+        placements = tuple(placements)  # once: a generator would be spent by the key
+        key = (src, id(device_mesh), placements)
+        hit = _TARGETS.get(key)
+    except TypeError:  # None, or something unhashable: the checks below say what is wrong
+        key = hit = None
+    if hit is not None and hit[0] is device_mesh:
+        return hit[1]
+    dst = _checked_target(src, device_mesh, placements)
+    if key is not None:
+        if len(_TARGETS) >= _caches.PLANS_MAX:
+            _TARGETS.clear()
+        _TARGETS[key] = (device_mesh, dst)  # the mesh itself: its id alone could be reused
+    return dst
+
+
+_TARGETS: dict = _caches.register_decisions({})
+
+
+def _checked_target(src: DTensorSpec, device_mesh, placements) -> DTensorSpec:
     mesh = src.mesh if device_mesh is None else device_mesh
     if mesh != src.mesh:
         check_meshes(src.mesh, mesh)
