@@ -257,7 +257,7 @@ def sync_runner(kind: str, mesh, mesh_dim: int, dim: int, local_shape, dtype, de
     dtype, order keys, group order, buffer form, padding) made once, for a redistribute plan
     cached per spec pair. None where a call must take the general function. ``run`` returns
     None (nothing issued) while a debug mode watches collectives, for a piece of another shape
-    (the general path raises the error) or one that belongs to a trace: the caller then takes
+    (the general path raises the error) or dtype, or one that belongs to a trace: the caller then takes
     the general path, which reports, checks and traces. The result never aliases the piece."""
     dg = mesh.dim_group(mesh_dim)
     n = dg.size
@@ -299,7 +299,8 @@ def sync_runner(kind: str, mesh, mesh_dim: int, dim: int, local_shape, dtype, de
         return None
 
     def run(piece):
-        if COMM_SINKS or TIMERS or CHECKING or is_traced(piece) or piece.shape != local_shape:
+        if COMM_SINKS or TIMERS or CHECKING or is_traced(piece) or piece.shape != local_shape \
+                or piece.dtype != dtype:
             return None
         # dim_group per call: a mesh whose groups were destroyed raises its clear error
         return collect(piece.movedim(dim, 0) if dim else piece, mesh.dim_group(mesh_dim).group)
