@@ -14,6 +14,7 @@ import torch.distributed as dist
 from .device_mesh import DeviceMesh, _rebuild_mesh
 from .placements import Partial, Placement, Replicate, Shard, _StridedShard
 from .redistribute import redistribute_local, redistribute_target
+from .redistribute.planner import _PLANS
 from .spec import (DTensorSpec, TensorMeta, contiguous_stride, normalize_placements,
                    outside_shape)
 from . import _caches, _dcp, debug_state
@@ -283,9 +284,7 @@ def _cached_per_pair(fn):
         key = (spec, grad_spec)
         out = cache.get(key)
         if out is None:
-            if len(cache) >= _caches.PLANS_MAX:
-                cache.clear()
-            out = cache[key] = fn(spec, grad_spec)
+            out = _caches.remember(cache, key, fn(spec, grad_spec), _PLANS)
         return out
     cached.__name__, cached.__doc__ = fn.__name__, fn.__doc__
     return cached

@@ -12,6 +12,7 @@ from .. import _caches
 from ..compile_support import is_traced
 from ..dtensor import DTensor, _FromLocal, _Redistribute, _ToLocal
 from ..placements import LINEAR_REDUCE_OPS, Partial, Replicate, Shard
+from ..redistribute.planner import _PLANS
 from ..spec import DTensorSpec, TensorMeta, contiguous_stride
 from ._registry import Decompose, intercept_composite, register_rule
 
@@ -180,9 +181,7 @@ def _feature_sharded_linear(x, w, b):
     key = (x._spec, w._spec, None if b is None else b._spec)
     plan = _LINEAR_PLANS.get(key)
     if plan is None:
-        if len(_LINEAR_PLANS) >= _caches.DECISIONS_MAX:
-            _LINEAR_PLANS.clear()
-        plan = _LINEAR_PLANS[key] = _plan_linear(x, w, b) or _NOT_LOCAL
+        plan = _caches.remember(_LINEAR_PLANS, key, _plan_linear(x, w, b) or _NOT_LOCAL, _PLANS)
     if plan is _NOT_LOCAL or torch._C._len_torch_dispatch_stack() or \
             is_traced(x._local_tensor) or is_traced(w._local_tensor):
         return None

@@ -11,7 +11,7 @@ from ..compile_support import is_traced
 from ..spec import DTensorSpec, normalize_placements, outside_shape
 from .cross_mesh import check_meshes, plan_cross_mesh, redistribute_across_meshes, reduced_source
 from .executor import run_plan
-from .planner import plan_redistribute
+from .planner import _PLANS, plan_redistribute
 
 __all__ = ["redistribute_local", "redistribute_locals", "redistribute_target",
            "explain_redistribute"]
@@ -24,9 +24,8 @@ def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec,
     if not async_op:
         run = _RUNNERS.get((src, dst))  # specs are interned: the key hashes in C
         if run is None:
-            if len(_RUNNERS) >= _caches.PLANS_MAX:
-                _RUNNERS.clear()
-            run = _RUNNERS[(src, dst)] = _sync_runner(src, dst) or _NO_RUNNER
+            run = _caches.remember(_RUNNERS, (src, dst), _sync_runner(src, dst) or _NO_RUNNER,
+                                   _PLANS)
         if run is not _NO_RUNNER:
             out = run(local)
             if out is not None:
@@ -135,10 +134,8 @@ def redistribute_target(src: DTensorSpec, device_mesh, placements) -> DTensorSpe
     if hit is not None and hit[0] is device_mesh:
         return hit[1]
     dst = _checked_target(src, device_mesh, placements)
-    if key is not None:
-        if len(_TARGETS) >= _caches.PLANS_MAX:
-            _TARGETS.clear()
-        _TARGETS[key] = (device_mesh, dst)  # the mesh itself: its id alone could be reused
+    if key is not None:  # the mesh itself: its id alone could be reused
+        _caches.remember(_TARGETS, key, (device_mesh, dst), _PLANS)
     return dst
 
 
