@@ -48,6 +48,16 @@ def cached_get(cache: LRUCache, key):
     return value
 
 
+def remember(cache: dict, key, value, like: LRUCache):
+    """``cache[key] = value`` for a plain-dict cache kept beside the LRU ``like`` and keyed by
+    the same kind of specs: emptied first when it reaches ``like``'s bound, so it never keeps
+    more specs interned than ``like`` may. Returns ``value``."""
+    if len(cache) >= like.max_size:
+        cache.clear()
+    cache[key] = value
+    return value
+
+
 def register(cache):
     """Register a dict-like cache (anything with ``clear()``) and return it."""
     _REGISTERED.append(cache)

@@ -193,6 +193,17 @@ _EMPTY: dict = {}
 _make_wrapper = torch.Tensor._make_wrapper_subclass
 
 
+def _wrap_as(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
+    """``DTensor(local, spec)`` with the wrapper built from positional arguments (as the hot
+    path builds it: the keyword form costs more per call)."""
+    meta = spec.tensor_meta
+    r = _make_wrapper(DTensor, meta.shape, meta.stride, None, None, meta.dtype, local.layout,
+                      local.device)
+    r._local_tensor = local
+    r._spec = spec
+    return r
+
+
 # ------------------------------------------------------------------ decisions
 class _Decision:
     """What to do for one (op, input specs, non-tensor args) combination."""
@@ -254,9 +265,9 @@ class _Decision:
         if kind == "tensor":
             if self.mutated is not None:
                 return dts[self.mutated]
-            return DTensor(out, self.out_specs)
+            return _wrap_as(out, self.out_specs)
         if kind == "seq":
-            res = [o if s is None else DTensor(o, s) for o, s in zip(out, self.out_specs)]
+            res = [o if s is None else _wrap_as(o, s) for o, s in zip(out, self.out_specs)]
             return tuple(res) if isinstance(out, tuple) else res
         return out  # non-tensor result (e.g. a Python scalar from item())
 

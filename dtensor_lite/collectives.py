@@ -139,18 +139,8 @@ class Pending:
     def wait(self):
         if not self._done:
             if self._work is not None:
-                start = time.perf_counter()
-                try:
-                    # in slices, watching for a failure another rank posted (see _failures.py)
-                    wait_work(self._work, self._kind, self._group)
-                except BaseException:
-                    self._abandon()
-                    raise
-                if self._flight is not None:
-                    self._flight.waited(start, time.perf_counter())
-                # drop the work before its buffers: the backend's thread may still hold it
-                self._work = None
-                _inflight.retire(self._hold)
+                work, self._work = self._work, None
+                _wait_issued(work, self._kind, self._group, self._hold, self._flight)
             self._result = self._finish()
             self._done = True
             self._work = self._finish = self._flight = self._group = self._hold = None
@@ -234,8 +224,87 @@ def _check_buffers_agree(collective, args, group) -> None:
 
 def _launch(kind: str, issued, finish, async_op: bool):
     """``issued`` (from ``_issue``, or None: nothing to wait for) as a Pending, or its result now."""
-    pending = Pending(issued, finish, kind)
-    return pending if async_op else pending.wait()
+    if async_op or TIMERS:
+        pending = Pending(issued, finish, kind)
+        return pending if async_op else pending.wait()
+    if issued is not None:  # waited now: what Pending.wait does, without the Pending
+        work, _, group, hold = issued
+        _wait_issued(work, kind, group, hold)
+    return finish()
+
+
+def _wait_issued(work, kind: str, group, hold, flight=None) -> None:
+    """Wait for an issued collective's ``work`` in slices, watching for a failure another rank
+    posted (see _failures.py), then release the private aliases ``hold`` of its buffers (see
+    _inflight.py); a wait that raises keeps them until the backend lets go."""
+    start = time.perf_counter() if flight is not None else 0.0
+    try:
+        wait_work(work, kind, group)
+    except BaseException:
+        _inflight.abandon(None, hold)
+        raise
+    if flight is not None:
+        flight.waited(start, time.perf_counter())
+    # drop the work before its buffers: the backend's thread may still hold it
+    del work
+    _inflight.retire(hold)
+
+
+def sync_runner(kind: str, mesh, mesh_dim: int, dim: int, local_shape, dtype, device):
+    """A function ``run(piece)`` doing what ``all_gather`` (along ``dim``), ``reduce_scatter``
+    (sum, along ``dim``) or ``all_reduce`` (sum) do, synchronously, for pieces of
+    ``local_shape`` that move as they are: the decisions those functions make per call (wire
+    dtype, order keys, group order, buffer form, padding) made once, for a redistribute plan
+    cached per spec pair. None where a call must take the general function. ``run`` returns
+    None (nothing issued) while a debug mode watches collectives, for a piece of another shape
+    (the general path raises the error) or dtype, or one that belongs to a trace: the caller then takes
+    the general path, which reports, checks and traces. The result never aliases the piece."""
+    dg = mesh.dim_group(mesh_dim)
+    n = dg.size
+    if n == 1 or dg.group is None or not dg.is_sorted or dtype in _WIRE_DTYPES or \
+            dtype.is_complex or dtype == torch.bool or not local_shape:
+        return None
+    if kind == "all_gather":
+        out_shape = (n * local_shape[dim],) + tuple(
+            s for k, s in enumerate(local_shape) if k != dim)
+
+        def collect(x, group):
+            x = x.contiguous()
+            out = x.new_empty(out_shape)
+            work, _, _, hold = _issue(_all_gather_single, out, x, group=group)
+            _wait_issued(work, kind, group, hold)
+            return out.movedim(0, dim) if dim else out
+    elif kind == "reduce_scatter":
+        if local_shape[dim] % n or not _copies_whole_buffer(
+                torch.empty(0, device=device), dg.group):
+            return None
+        chunk, slot = local_shape[dim] // n, dg.coordinate
+
+        def collect(x, group):
+            # gloo's form (see reduce_scatter): the copy all-reduced, this rank's slot copied out
+            x = x.clone(memory_format=torch.contiguous_format)
+            work, _, _, hold = _issue(_all_reduce_in_place, x, op=dist.ReduceOp.SUM,
+                                      group=group)
+            _wait_issued(work, kind, group, hold)
+            piece = x.narrow(0, slot * chunk, chunk).clone()
+            free_now(x)
+            return piece.movedim(0, dim) if dim else piece
+    elif kind == "all_reduce":
+        def collect(x, group):
+            x = x.clone(memory_format=torch.contiguous_format)
+            work, _, _, hold = _issue(dist.all_reduce, x, op=dist.ReduceOp.SUM, group=group)
+            _wait_issued(work, kind, group, hold)
+            return x
+    else:
+        return None
+
+    def run(piece):
+        if COMM_SINKS or TIMERS or CHECKING or is_traced(piece) or piece.shape != local_shape \
+                or piece.dtype != dtype:
+            return None
+        # dim_group per call: a mesh whose groups were destroyed raises its clear error
+        return collect(piece.movedim(dim, 0) if dim else piece, mesh.dim_group(mesh_dim).group)
+    return run
 
 
 def then(result, fn):

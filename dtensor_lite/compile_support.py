@@ -82,5 +82,11 @@ def is_traced(t: torch.Tensor) -> bool:
     collectives on it must be functional ops, not c10d calls on real buffers."""
     if torch.compiler.is_compiling():
         return True
+    if type(t) is torch.Tensor and not _is_functional(t) and not _functorch_wrapped(t):
+        return False  # a plain tensor, no wrapper around it: not fake (the eager hot path)
     from torch._subclasses.fake_tensor import is_fake  # also sees fakes under functional wrappers
     return is_fake(t)
+
+
+_is_functional = torch._is_functional_tensor
+_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor

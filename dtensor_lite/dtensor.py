@@ -14,6 +14,7 @@ import torch.distributed as dist
 from .device_mesh import DeviceMesh, _rebuild_mesh
 from .placements import Partial, Placement, Replicate, Shard, _StridedShard
 from .redistribute import redistribute_local, redistribute_target
+from .redistribute.planner import _PLANS
 from .spec import (DTensorSpec, TensorMeta, contiguous_stride, normalize_placements,
                    outside_shape)
 from . import _caches, _dcp, debug_state
@@ -274,6 +275,22 @@ def _strides_of_pieces(local: torch.Tensor, mesh: DeviceMesh, placements) -> tup
     return tuple(stride)
 
 
+def _cached_per_pair(fn):
+    """``fn(spec, grad_spec)`` computed once per pair of (interned) specs: backward passes ask
+    it per call, with the same pair every step."""
+    cache: dict = _caches.register_decisions({})
+
+    def cached(spec: DTensorSpec, grad_spec: DTensorSpec) -> DTensorSpec:
+        key = (spec, grad_spec)
+        out = cache.get(key)
+        if out is None:
+            out = _caches.remember(cache, key, fn(spec, grad_spec), _PLANS)
+        return out
+    cached.__name__, cached.__doc__ = fn.__name__, fn.__doc__
+    return cached
+
+
+@_cached_per_pair
 def _grad_target(spec: DTensorSpec, grad_spec: DTensorSpec) -> DTensorSpec:
     """Gradients of a Partial value arrive Replicated: d(sum_i x_i)/dx_i = 1."""
     placements = tuple(Replicate() if p.is_partial() else p for p in spec.placements)
@@ -281,6 +298,7 @@ def _grad_target(spec: DTensorSpec, grad_spec: DTensorSpec) -> DTensorSpec:
     return DTensorSpec(spec.mesh, placements, grad_spec.tensor_meta, order)
 
 
+@_cached_per_pair
 def _redistribute_grad_target(spec: DTensorSpec, grad_spec: DTensorSpec) -> DTensorSpec:
     """Where redistribute's backward puts the gradient of an input laid out as ``spec``: as
     :func:`_grad_target`, except that a mesh dim where both the input and the arriving gradient
@@ -419,7 +437,9 @@ def _product_of_the_others(local: torch.Tensor, spec: DTensorSpec) -> torch.Tens
 class _ToLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, dt, grad_placements):
-        ctx.spec = _grad_layout(dt._spec, grad_placements) or dt._spec
+        # grad_placements: the user's (checked here), or a DTensorSpec made by the library
+        ctx.spec = grad_placements if type(grad_placements) is DTensorSpec else \
+            _grad_layout(dt._spec, grad_placements) or dt._spec
         return dt._local_tensor.view_as(dt._local_tensor)
 
     @staticmethod
@@ -430,6 +450,8 @@ class _ToLocal(torch.autograd.Function):
                 f"to_local backward: local gradient of shape {tuple(grad.shape)} does not match "
                 f"placements {list(spec.placements)} (expected {spec.local_shape()}); pass "
                 "grad_placements= that describe the local gradient")
+        if grad.dtype == spec.dtype:
+            return DTensor(grad, spec), None
         meta = TensorMeta(spec.shape, spec.stride, grad.dtype)
         return DTensor(grad, DTensorSpec(spec.mesh, spec.placements, meta, spec.shard_order)), None
 

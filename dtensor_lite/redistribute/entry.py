@@ -6,12 +6,12 @@ import contextlib
 
 import torch
 
-from .. import collectives as C
+from .. import _caches, collectives as C
 from ..compile_support import is_traced
 from ..spec import DTensorSpec, normalize_placements, outside_shape
 from .cross_mesh import check_meshes, plan_cross_mesh, redistribute_across_meshes, reduced_source
 from .executor import run_plan
-from .planner import plan_redistribute
+from .planner import _PLANS, plan_redistribute
 
 __all__ = ["redistribute_local", "redistribute_locals", "redistribute_target",
            "explain_redistribute"]
@@ -21,6 +21,15 @@ def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec,
                        async_op: bool = False):
     """``local`` (this rank's piece of a tensor laid out as ``src``) laid out as ``dst``: the
     same tensor when nothing changes, else a new one; with ``async_op`` maybe a ``Pending``."""
+    if not async_op:
+        run = _RUNNERS.get((src, dst))  # specs are interned: the key hashes in C
+        if run is None:
+            run = _caches.remember(_RUNNERS, (src, dst), _sync_runner(src, dst) or _NO_RUNNER,
+                                   _PLANS)
+        if run is not _NO_RUNNER:
+            out = run(local)
+            if out is not None:
+                return out
     if src == dst:
         return local
     if dst.mesh is src.mesh or dst.mesh == src.mesh:
@@ -31,6 +40,36 @@ def redistribute_local(local: torch.Tensor, src: DTensorSpec, dst: DTensorSpec,
     if src.tensor_meta != dst.tensor_meta:  # e.g. a gradient of another dtype than its input
         src = DTensorSpec(src.mesh, src.placements, dst.tensor_meta, src.shard_order)
     return run_plan(local, plan_redistribute(src, dst), async_op)
+
+
+# (src spec, dst spec) -> a function running the plan's one collective with every choice made
+# (collectives.sync_runner), or _NO_RUNNER where the plan takes run_plan
+_RUNNERS: dict = _caches.register_decisions({})
+_NO_RUNNER = object()
+_SYNC_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+
+
+def _sync_runner(src: DTensorSpec, dst: DTensorSpec):
+    """For a plan of exactly one all-gather, sum reduce-scatter or sum all-reduce on pieces
+    that need no padding, on one mesh this rank is in: ``collectives.sync_runner`` for it."""
+    if src == dst or dst.mesh is not src.mesh or src.mesh._coordinate is None or \
+            src.tensor_meta != dst.tensor_meta:
+        return None
+    steps = plan_redistribute(src, dst).steps
+    if len(steps) != 1 or steps[0].kind not in _SYNC_KINDS:
+        return None
+    step = steps[0]
+    before, after = step.before.local_shape(), step.after.local_shape()
+    if step.kind == "all_gather":
+        dim = step.src.dim
+        if after[dim] != before[dim] * src.mesh.shape[step.mesh_dim]:
+            return None  # uneven: padded inside the collective (run_plan)
+    elif step.src.reduce_op != "sum":
+        return None
+    else:
+        dim = step.dst.dim if step.kind == "reduce_scatter" else 0
+    return C.sync_runner(step.kind, src.mesh, step.mesh_dim, dim, tuple(src.local_shape()),
+                         src.dtype, torch.device(src.mesh.device_type))
 
 
 def redistribute_locals(pieces, srcs, dsts, cause=None) -> list:
@@ -84,7 +123,26 @@ _NO_CAUSE = contextlib.nullcontext()  # reusable: it holds nothing
 
 def redistribute_target(src: DTensorSpec, device_mesh, placements) -> DTensorSpec:
     """The spec ``redistribute(device_mesh, placements)`` of a DTensor laid out as ``src`` aims
-    at, with the user's arguments checked."""
+    at, with the user's arguments checked (once per (spec, mesh, placements): a training step
+    asks the same every time)."""
+    try:
+        placements = tuple(placements)  # once: a generator would be spent by the key
+        key = (src, id(device_mesh), placements)
+        hit = _TARGETS.get(key)
+    except TypeError:  # None, or something unhashable: the checks below say what is wrong
+        key = hit = None
+    if hit is not None and hit[0] is device_mesh:
+        return hit[1]
+    dst = _checked_target(src, device_mesh, placements)
+    if key is not None:  # the mesh itself: its id alone could be reused
+        _caches.remember(_TARGETS, key, (device_mesh, dst), _PLANS)
+    return dst
+
+
+_TARGETS: dict = _caches.register_decisions({})
+
+
+def _checked_target(src: DTensorSpec, device_mesh, placements) -> DTensorSpec:
     mesh = src.mesh if device_mesh is None else device_mesh
     if mesh != src.mesh:
         check_meshes(src.mesh, mesh)
