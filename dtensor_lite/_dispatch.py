@@ -41,7 +41,8 @@ from .ops.kit import target_spec
 from .random import ensure_rng_synced
 from .redistribute import plan_redistribute, redistribute_local, redistribute_locals
 from .placements import Replicate as _Replicate
-from .spec import DTensorSpec, TensorMeta, outside_shape as _outside_shape
+from .spec import DTensorSpec, TensorMeta, contiguous_stride as _contiguous_stride, \
+    outside_shape as _outside_shape
 
 __all__ = ["dispatch"]
 
@@ -54,6 +55,9 @@ _NUMBER_TYPES = (int, float, bool, complex)
 
 
 # ------------------------------------------------------------------ cache key
+_INTS = object()  # in the key of a list / tuple of ints only: (type, _INTS, the ints)
+
+
 def _key(a, dts: list):
     """Hashable stand-in for one argument; collects DTensors into ``dts`` (flattened order)."""
     t = type(a)
@@ -62,8 +66,12 @@ def _key(a, dts: list):
         return a._spec
     if t in _NUMBER_TYPES:
         return (t, a)  # 1, 1.0 and True promote differently: keep the type in the key
-    if t is list or t is tuple:  # ints inline (shapes, dims): the key _key would give them
-        return (t, tuple([(int, x) if type(x) is int else _key(x, dts) for x in a]))
+    if t is list or t is tuple:
+        for x in a:
+            if type(x) is not int:
+                # ints inline (shapes, dims): the key _key would give them
+                return (t, tuple([(int, x) if type(x) is int else _key(x, dts) for x in a]))
+        return (t, _INTS, tuple(a))  # only ints (a shape, dims): the ints themselves
     if isinstance(a, DTensor):
         dts.append(a)
         return a._spec
@@ -115,18 +123,22 @@ def cache_key(op, args, kwargs, dts: list) -> tuple:
     return tuple(key)
 
 
-def dispatch(op, args, kwargs):
+def _observed(op, args, kwargs):
+    """``dispatch`` of a call someone watches: CommDebugMode (which op caused each collective)
+    or ``_fast_path`` learning what a torch function dispatches (RECORDERS)."""
     if debug_state.COMM_SINKS:  # CommDebugMode records which op caused each collective
         with debug_state.comm_cause(op):
             # a call _fast_path learns under CommDebugMode must still be recorded: an empty
             # recording would mark its function as never replayable
-            return _recorded(op, args, kwargs) if RECORDERS else _dispatch(op, args, kwargs)
+            return _recorded(op, args, kwargs) if RECORDERS else dispatch(op, args, kwargs, True)
     if RECORDERS:
         return _recorded(op, args, kwargs)
-    return _dispatch(op, args, kwargs)
+    return dispatch(op, args, kwargs, True)
 
 
-def _dispatch(op, args, kwargs):
+def dispatch(op, args, kwargs, observed=False):
+    if not observed and (RECORDERS or debug_state.COMM_SINKS):
+        return _observed(op, args, kwargs)  # once; its own dispatch passes observed=True
     # The hot path: one pass over the args builds the key and collects the DTensors. Specs are
     # interned, so hashing the key never calls back into Python.
     dts: list = []
@@ -171,7 +183,7 @@ def _dispatch(op, args, kwargs):
     if d.mutated is not None:
         return dts[d.mutated]  # in-place: the destination DTensor already has the right spec
     # positional: (cls, size, strides, storage_offset, memory_format, dtype, layout, device)
-    r = _make_wrapper(DTensor, d.out_shape, d.out_stride, None, None, d.out_dtype, out.layout,
+    r = _make_wrapper(DTensor, d.out_shape, d.wrap_stride, None, None, d.out_dtype, out.layout,
                       out.device)
     r._local_tensor = out
     r._spec = d.out_specs
@@ -182,7 +194,7 @@ def _dispatch(op, args, kwargs):
 
 def _recorded(op, args, kwargs):
     """``_dispatch``, telling every active recorder which decision ran and what it returned."""
-    out = _dispatch(op, args, kwargs)
+    out = dispatch(op, args, kwargs, True)
     d = _DECISIONS.get(cache_key(op, args, kwargs, []))
     for recorder in RECORDERS:
         recorder.append((op, args, kwargs, d, out))
@@ -210,6 +222,7 @@ class _Decision:
 
     __slots__ = ("op", "targets", "out_specs", "out_kind", "local_fn", "flat_positions",
                  "mutated", "needs_redistribute", "out_shape", "out_stride", "out_dtype", "fast",
+                 "wrap_stride",
                  "view_src", "copies_view", "relayout")
 
     def run(self, args, kwargs, dts, validate=False):
@@ -510,12 +523,18 @@ def _decide_on_one_mesh(op, args, kwargs, dts):
     d.copies_view = d.view_src is not None and targets[0] is not None
     outs = full.outs
     orders = full.out_orders or [None] * len(outs)
-    d.out_shape = d.out_stride = d.out_dtype = None
+    d.out_shape = d.out_stride = d.out_dtype = d.wrap_stride = None
     if isinstance(meta_out, torch.Tensor):
         d.out_kind = "tensor"
         d.out_specs = _out_spec(mesh, outs[0], meta_out, orders[0])
         meta = d.out_specs.tensor_meta
         d.out_shape, d.out_stride, d.out_dtype = meta.shape, meta.stride, meta.dtype
+        # the strides the hot path builds its wrapper with: None where contiguous (the wrapper
+        # computes those itself, 0.15 us sooner); symbolic sizes as given (no guards added)
+        d.wrap_stride = meta.stride
+        if all(type(n) is int for n in (*meta.shape, *meta.stride)) and \
+                tuple(meta.stride) == _contiguous_stride(meta.shape):
+            d.wrap_stride = None
     elif isinstance(meta_out, (tuple, list)) and any(isinstance(o, torch.Tensor) for o in meta_out):
         d.out_kind = "seq"
         d.out_specs = tuple(

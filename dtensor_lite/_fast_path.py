@@ -149,38 +149,54 @@ def _kwargs_key(kwargs, dts: list):
 
 def torch_function(cls, func, types_, args=(), kwargs=None):
     # first the calls that must run the ordinary way whatever their key: functions that never
-    # shortcut (getters, views, Python code) and calls autograd must record
+    # shortcut (getters, views, Python code), calls autograd must record, and calls under
+    # something that must see every op. functorch transforms need no check: inside them the
+    # arguments are batched or grad-tracking tensors, not DTensors. A call inside a call being
+    # learned (a composite's Python kernel) runs the ordinary way: a replay there would hide its
+    # ops from the outer call's recording. (All before the key: each is a C-level read, and a
+    # call they send the ordinary way would have gone there whatever its key.)
     if func in _ORDINARY:
         return _ordinary(func, types_, args, kwargs)
     grad = _grad_enabled()
     if grad and (_any_requires_grad(*args) or (kwargs and _any_requires_grad(*kwargs.values()))):
         return _ordinary(func, types_, args, kwargs)
+    if _RECORDERS or _dispatch_modes() or _autocast() or _fwad._current_level >= 0:
+        return _ordinary(func, types_, args, kwargs)
     # The key: the function, grad mode, each DTensor's spec, every other argument as a constant
     # (specs are interned: hashing the key never calls back into Python). Built inline: this is
-    # the hot path of every call on a DTensor.
-    dts: list = []
-    key = [func, grad]
-    for a in args:
-        if type(a) is DTensor:
-            dts.append(a)
-            key.append(a._spec)
+    # the hot path of every call on a DTensor; the usual shape first (two positional arguments,
+    # the first a DTensor: binary ops, ``sum(dim)``, ``F.linear``), the same key as the loop's.
+    if not kwargs and len(args) == 2 and type(args[0]) is DTensor:
+        a1 = args[1]
+        if type(a1) is DTensor:
+            key = (func, grad, args[0]._spec, a1._spec)
+            dts = args
         else:
-            c = _const(a)
+            c = (int, a1) if type(a1) is int else _const(a1)  # an int: what _const gives it
+            if c is None:
+                return _ordinary(func, types_, args, kwargs)
+            key = (func, grad, args[0]._spec, c)
+            dts = (args[0],)
+    else:
+        dts = []
+        key = [func, grad]
+        for a in args:
+            if type(a) is DTensor:
+                dts.append(a)
+                key.append(a._spec)
+            else:
+                c = _const(a)
+                if c is None:
+                    return _ordinary(func, types_, args, kwargs)
+                key.append(c)
+        if kwargs:
+            c = _kwargs_key(kwargs, dts)
             if c is None:
                 return _ordinary(func, types_, args, kwargs)
             key.append(c)
-    if kwargs:
-        c = _kwargs_key(kwargs, dts)
-        if c is None:
+        if not dts:
             return _ordinary(func, types_, args, kwargs)
-        key.append(c)
-    # functorch transforms need no check: inside them the arguments are batched or grad-tracking
-    # tensors, not DTensors
-    # a call inside a call being learned (a composite's Python kernel) runs the ordinary way: a
-    # replay there would hide its ops from the outer call's recording
-    if not dts or _dispatch_modes() or _autocast() or _fwad._current_level >= 0 or _RECORDERS:
-        return _ordinary(func, types_, args, kwargs)
-    key = tuple(key)
+        key = tuple(key)
     run = _SHORTCUTS.get(key)
     if run is None:
         return _learn(key, func, types_, args, kwargs, dts)
