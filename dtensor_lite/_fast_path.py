@@ -51,7 +51,8 @@ import torch.nn.functional as F
 
 from . import _caches, _dispatch
 from ._aliasing import COPIED_VIEWS
-from ._quick_call import const as _const, quick_callable as _quick_callable
+from ._quick_call import cheaper_spelling as _cheaper_spelling, const as _const, \
+    quick_callable as _quick_callable
 from ._dispatch import _Decision
 from .dtensor import DTensor, use_torch_function
 
@@ -273,7 +274,10 @@ class _Replay:
             for pos in d.flat_positions:
                 local_args[pos] = args[pos]._local_tensor
             fn = _quick_callable(op, local_args, kwargs, d.local_fn)
-            steps.append((fn, list(args), tuple(slots), dict(kwargs)))
+            base = list(args)
+            if type(fn) in _BUILTIN_TYPES:  # torch.<name>, Tensor.<name>: perhaps spelled cheaper
+                base = _cheaper_spelling(fn, op, local_args, kwargs)
+            steps.append((fn, base, tuple(slots), dict(kwargs)))
         last = records[-1][3]
         if last.view_src is not None:  # a view must alias its input (autograd, version counter)
             return None

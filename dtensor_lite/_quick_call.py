@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["const", "quick_callable"]
+__all__ = ["cheaper_spelling", "const", "quick_callable"]
 
 _CONSTANT_TYPES = (int, bool, str, type(None), torch.dtype, torch.device, torch.memory_format,
                    torch.layout)
@@ -62,17 +62,23 @@ def quick_callable(op, args, kwargs, local_fn):
     return local_fn
 
 
-def runs_exactly(fn, op, args, kwargs) -> bool:
+def runs_exactly(fn, op, args, kwargs, spelled=None) -> bool:
     """Whether ``fn(*args, **kwargs)`` dispatches ``op`` alone, with these arguments (tried on
-    meta tensors of the same shapes and strides)."""
+    meta tensors of the same shapes and strides). With ``spelled``: whether ``fn(*spelled,
+    **kwargs)`` (the same tensors, other spellings of the rest) dispatches ``op`` with ``args``."""
+    metas: dict = {}
+
     def meta(a):
-        return torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta") \
-            if isinstance(a, torch.Tensor) else a
+        if not isinstance(a, torch.Tensor):
+            return a
+        if id(a) not in metas:
+            metas[id(a)] = torch.empty_strided(a.shape, a.stride(), dtype=a.dtype, device="meta")
+        return metas[id(a)]
     margs = [meta(a) for a in args]
     mkw = {k: meta(v) for k, v in kwargs.items()}
     try:
         with _SeenOps() as mode:
-            fn(*margs, **mkw)
+            fn(*(margs if spelled is None else [meta(a) for a in spelled]), **mkw)
     except Exception:  # noqa: BLE001 - another overload or signature: not this one
         return False
     if len(mode.seen) != 1 or mode.seen[0][0] is not op:
@@ -84,3 +90,13 @@ def runs_exactly(fn, op, args, kwargs) -> bool:
         {k: const(v) for k, v in mkw.items()}
 
 
+def cheaper_spelling(fn, op, args, kwargs) -> list:
+    """``args`` with each one-int list as the int itself where ``fn`` (a ``quick_callable``)
+    runs ``op`` with ``args`` so: ``torch.sum(x, 1)`` parses 0.3 us sooner than
+    ``torch.sum(x, [1])`` (checked once, on meta tensors); else ``args``."""
+    spelled = [a[0] if type(a) is list and len(a) == 1 and type(a[0]) is int else a
+               for a in args]
+    if all(x is y for x, y in zip(spelled, args)) or not runs_exactly(fn, op, args, kwargs,
+                                                                       spelled):
+        return list(args)
+    return spelled
