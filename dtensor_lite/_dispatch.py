@@ -193,7 +193,7 @@ def dispatch(op, args, kwargs, observed=False):
 
 
 def _recorded(op, args, kwargs):
-    """``_dispatch``, telling every active recorder which decision ran and what it returned."""
+    """``dispatch``, telling every active recorder which decision ran and what it returned."""
     out = dispatch(op, args, kwargs, True)
     d = _DECISIONS.get(cache_key(op, args, kwargs, []))
     for recorder in RECORDERS:
