@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import math
+import os
 import queue
 import sys
 import threading
@@ -87,23 +88,24 @@ def _describe(exc: BaseException) -> str:
     return f"rank {dist.get_rank()}: {type(exc).__name__}: {text}"
 
 
-def post_failure(exc: BaseException) -> None:
-    """Tell every rank that this rank failed with ``exc`` (the first post of the job wins).
-    Never raises: it runs on paths that are already failing."""
+def post_failure(exc: BaseException) -> bool:
+    """Tell every rank that this rank failed with ``exc`` (the first post of the job wins);
+    whether this post won. Never raises: it runs on paths that are already failing."""
     if getattr(exc, _POSTED, False):
-        return
+        return False
     try:
         setattr(exc, _POSTED, True)
     except AttributeError:  # an exception type with __slots__: post it anyway
         pass
     store = _store()
     if store is None:
-        return
+        return False
     try:
         # compare_set with an expected "" creates the key only if it is absent: first post wins
-        store.compare_set(_KEY, "", _describe(exc))
+        text = _describe(exc)
+        return _as_text(store.compare_set(_KEY, "", text)) == text
     except Exception:  # noqa: BLE001 - the store may be gone with the rank that hosted it
-        pass
+        return False
 
 
 def posted_failure() -> str | None:
@@ -114,7 +116,9 @@ def posted_failure() -> str | None:
     try:
         if not store.check([_KEY]):
             return None
-        return store.get(_KEY).decode(errors="replace")
+        failure = _as_text(store.get(_KEY))
+        _acknowledge(store)
+        return failure
     except Exception as e:  # noqa: BLE001
         # the store's host (rank 0 under torchrun's c10d rendezvous: the agent) is unreachable
         return f"(unknown rank: the c10d store is unreachable: {type(e).__name__}: {e})"
@@ -123,12 +127,63 @@ def posted_failure() -> str | None:
 def forget_posted_failure() -> None:
     """Remove the posted failure, for a process group that is used again after ranks raised
     errors they caught (test suites whose ranks all raised alike; jobs never need this)."""
+    global _ACKNOWLEDGED
+    _ACKNOWLEDGED = False
     store = _store()
     if store is not None:
-        try:
-            store.delete_key(_KEY)
-        except Exception:  # noqa: BLE001 - nothing to forget, or no store
-            pass
+        for key in (_KEY, _seen_key(dist.get_rank())):
+            try:
+                store.delete_key(key)
+            except Exception:  # noqa: BLE001 - nothing to forget, or no store
+                pass
+
+
+# A rank that posts its failure and then ends its process takes the store with it when it is the
+# store's host (rank 0 of an env:// or tcp:// rendezvous; torchrun's agent hosts it otherwise):
+# the ranks still blocked in a collective would find gloo's "connection closed" and no store to
+# read the failure's name from. So the host, after reporting, keeps serving the store until every
+# other rank has read the failure (each sets its "seen" key once) -- an event, not a clock -- or
+# HOST_LINGER passes (a rank that never reaches a collective again: it exited, or computes on).
+HOST_LINGER = datetime.timedelta(seconds=10)
+_SEEN = "dtensor_lite/failure_seen/"
+_ACKNOWLEDGED = False
+
+
+def _as_text(value) -> str:
+    return value.decode(errors="replace") if isinstance(value, bytes) else str(value)
+
+
+def _seen_key(rank: int) -> str:
+    return f"{_SEEN}{rank}"
+
+
+def _acknowledge(store) -> None:
+    """Tell the store's host this rank has read the posted failure (once per process)."""
+    global _ACKNOWLEDGED
+    if not _ACKNOWLEDGED:
+        _ACKNOWLEDGED = True
+        with contextlib.suppress(Exception):
+            store.set(_seen_key(dist.get_rank()), "1")
+
+
+def _hosts_store(store) -> bool:
+    """Whether this process serves the default group's TCPStore (its exit would end it)."""
+    if dist.get_rank() != 0 or os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return False
+    while isinstance(store, dist.PrefixStore):
+        store = store.underlying_store
+    return isinstance(store, dist.TCPStore)
+
+
+def serve_store_until_read() -> None:
+    """On the store's host, after posting the failure that ends it: wait until every other rank
+    has read it (bounded by HOST_LINGER)."""
+    store = _store()
+    if store is None or dist.get_world_size() == 1 or not _hosts_store(store):
+        return
+    others = [_seen_key(r) for r in range(dist.get_world_size()) if r != dist.get_rank()]
+    with contextlib.suppress(Exception):  # the bound ran out: exit as before
+        store.wait(others, HOST_LINGER)
 
 
 @contextlib.contextmanager
@@ -172,9 +227,10 @@ def install_excepthook() -> None:
     previous = sys.excepthook
 
     def post_then_report(exc_type, exc, tb):
-        if _is_failure(exc):
-            post_failure(exc)
+        won = _is_failure(exc) and post_failure(exc)
         previous(exc_type, exc, tb)
+        if won:
+            serve_store_until_read()
 
     sys.excepthook = post_then_report
 
