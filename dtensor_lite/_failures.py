@@ -103,7 +103,9 @@ def post_failure(exc: BaseException) -> bool:
     try:
         # compare_set with an expected "" creates the key only if it is absent: first post wins
         text = _describe(exc)
-        return _as_text(store.compare_set(_KEY, "", text)) == text
+        won = _as_text(store.compare_set(_KEY, "", text)) == text
+        _acknowledge(store)  # a poster needs nothing more from the store (Ctrl-C on every rank)
+        return won
     except Exception:  # noqa: BLE001 - the store may be gone with the rank that hosted it
         return False
 
@@ -142,8 +144,9 @@ def forget_posted_failure() -> None:
 # store's host (rank 0 of an env:// or tcp:// rendezvous; torchrun's agent hosts it otherwise):
 # the ranks still blocked in a collective would find gloo's "connection closed" and no store to
 # read the failure's name from. So the host, after reporting, keeps serving the store until every
-# other rank has read the failure (each sets its "seen" key once) -- an event, not a clock -- or
-# HOST_LINGER passes (a rank that never reaches a collective again: it exited, or computes on).
+# other rank has read the failure or posted its own (each sets its "seen" key once) -- an event,
+# not a clock -- or HOST_LINGER passes (a rank that never reaches a collective again: it exited,
+# or computes on).
 HOST_LINGER = datetime.timedelta(seconds=10)
 _SEEN = "dtensor_lite/failure_seen/"
 _ACKNOWLEDGED = False

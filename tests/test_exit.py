@@ -18,6 +18,7 @@ import os
 import signal
 from concurrent.futures import ThreadPoolExecutor
 
+from dtensor_lite._failures import HOST_LINGER
 from tests.harness import REPO_ROOT, busy_cpus, launch_processes, launch_torchrun
 
 EXAMPLE = os.path.join(REPO_ROOT, "examples", "train_llama.py")
@@ -117,6 +118,11 @@ for step in range(3):
         opt.zero_grad()
 if how == "after" and rank == 0:
     raise ValueError("bad result file")  # user code after training
+if how == "all":  # every rank raises (Ctrl-C on the whole job): nobody is left to wait for
+    import atexit, time
+    raised_at = time.time()
+    atexit.register(lambda: print(f"SERVED_FOR {time.time() - raised_at:.3f}", flush=True))
+    raise ValueError(f"bad result file on rank {rank}")
 # every rank's summary: rank 1 waits here for rank 0
 DTensor.from_local(torch.ones(2), mesh, [Shard(0)]).full_tensor()
 print(f"rank {rank}: finished", flush=True)
@@ -126,7 +132,8 @@ print(f"rank {rank}: finished", flush=True)
 def test_ctrl_c_mid_step_and_an_error_after_training_exit_cleanly(tmp_path):
     """Ctrl-C on rank 1 mid-step: rank 1 ends as Python ends on Ctrl-C, rank 0 stops with the
     interrupt named; an exception after training on rank 0: it exits 1 with its traceback, rank 1
-    stops naming it. Nobody aborts, nobody waits out the group timeout."""
+    stops naming it; every rank raising: rank 0, the store's host, does not linger for the
+    others. Nobody aborts, nobody waits out the group timeout."""
     script = tmp_path / "stopped.py"
     script.write_text(STOPPED)
     with busy_cpus(1):
@@ -139,6 +146,13 @@ def test_ctrl_c_mid_step_and_an_error_after_training_exit_cleanly(tmp_path):
         assert "terminate called" not in "".join(outs), outs
         assert codes[0] == 1 and "ValueError: bad result file" in outs[0], (codes, outs[0])
         assert codes[1] == 1 and "rank 0: ValueError: bad result file" in outs[1], (codes, outs[1])
+
+        # rank 0 hosts the store (env:// rendezvous) and serves it after its failure until the
+        # others have read it; a rank that failed itself needs nothing more: no wait for it
+        codes, outs = launch_processes(script, 2, "all", timeout=180)
+        assert codes == [1, 1] and "bad result file on rank 0" in outs[0], (codes, outs)
+        served = float(outs[0].split("SERVED_FOR ")[1].split()[0])
+        assert served < HOST_LINGER.total_seconds() / 2, (served, outs[0])
 
 
 def _left_to_the_backend():
