@@ -52,13 +52,9 @@ _SYNC_KINDS = ("all_gather", "reduce_scatter", "all_reduce")
 def _sync_runner(src: DTensorSpec, dst: DTensorSpec):
     """For a plan of exactly one all-gather, sum reduce-scatter or sum all-reduce on pieces
     that need no padding, on one mesh this rank is in: ``collectives.sync_runner`` for it."""
-    if src == dst or dst.mesh is not src.mesh or src.mesh._coordinate is None or \
-            src.tensor_meta != dst.tensor_meta:
+    step = _only_step(src, dst)
+    if step is None or step.kind not in _SYNC_KINDS:
         return None
-    steps = plan_redistribute(src, dst).steps
-    if len(steps) != 1 or steps[0].kind not in _SYNC_KINDS:
-        return None
-    step = steps[0]
     before, after = step.before.local_shape(), step.after.local_shape()
     if step.kind == "all_gather":
         dim = step.src.dim
@@ -107,15 +103,22 @@ def _sum_all_reduce_dim(piece, src, dst) -> int | None:
     """The mesh dim, if moving ``piece`` from ``src`` to ``dst`` is exactly one sum all-reduce
     of a piece of the spec's shape; else None (anything else -- a wrong-shaped piece included,
     whose error ``run_plan`` raises -- goes the ordinary way)."""
-    if src == dst or dst.mesh is not src.mesh or src.mesh._coordinate is None \
-            or src.tensor_meta != dst.tensor_meta:
+    step = _only_step(src, dst)
+    if (step is not None and step.kind == "all_reduce" and step.src.reduce_op == "sum"
+            and piece.dtype.is_floating_point and not is_traced(piece)
+            and tuple(piece.shape) == tuple(src.local_shape())):
+        return step.mesh_dim
+    return None
+
+
+def _only_step(src: DTensorSpec, dst: DTensorSpec):
+    """The step, if moving a piece from ``src`` to ``dst`` is one step on one mesh this rank is
+    in, with the same tensor metadata; else None (what the shortcuts above may serve)."""
+    if src == dst or dst.mesh is not src.mesh or src.mesh._coordinate is None or \
+            src.tensor_meta != dst.tensor_meta:
         return None
     steps = plan_redistribute(src, dst).steps
-    if (len(steps) == 1 and steps[0].kind == "all_reduce"
-            and steps[0].src.reduce_op == "sum" and piece.dtype.is_floating_point
-            and not is_traced(piece) and tuple(piece.shape) == tuple(src.local_shape())):
-        return steps[0].mesh_dim
-    return None
+    return steps[0] if len(steps) == 1 else None
 
 
 _NO_CAUSE = contextlib.nullcontext()  # reusable: it holds nothing
