@@ -221,8 +221,7 @@ class _Decision:
     """What to do for one (op, input specs, non-tensor args) combination."""
 
     __slots__ = ("op", "targets", "out_specs", "out_kind", "local_fn", "flat_positions",
-                 "mutated", "needs_redistribute", "out_shape", "out_stride", "out_dtype", "fast",
-                 "wrap_stride",
+                 "mutated", "needs_redistribute", "out_shape", "out_dtype", "wrap_stride", "fast",
                  "view_src", "copies_view", "relayout")
 
     def run(self, args, kwargs, dts, validate=False):
@@ -523,12 +522,12 @@ def _decide_on_one_mesh(op, args, kwargs, dts):
     d.copies_view = d.view_src is not None and targets[0] is not None
     outs = full.outs
     orders = full.out_orders or [None] * len(outs)
-    d.out_shape = d.out_stride = d.out_dtype = d.wrap_stride = None
+    d.out_shape = d.out_dtype = d.wrap_stride = None
     if isinstance(meta_out, torch.Tensor):
         d.out_kind = "tensor"
         d.out_specs = _out_spec(mesh, outs[0], meta_out, orders[0])
         meta = d.out_specs.tensor_meta
-        d.out_shape, d.out_stride, d.out_dtype = meta.shape, meta.stride, meta.dtype
+        d.out_shape, d.out_dtype = meta.shape, meta.dtype
         # the strides the hot path builds its wrapper with: None where contiguous (the wrapper
         # computes those itself, 0.15 us sooner); symbolic sizes as given (no guards added)
         d.wrap_stride = meta.stride

@@ -289,7 +289,8 @@ class _Replay:
                 return None
         r.steps = tuple(steps)
         r.single = None
-        r.shape, r.stride, r.dtype, r.spec = last.out_shape, last.out_stride, last.out_dtype, \
+        # the strides the dispatcher builds this wrapper with (None where contiguous)
+        r.shape, r.stride, r.dtype, r.spec = last.out_shape, last.wrap_stride, last.out_dtype, \
             last.out_specs
         # the records hold the call's tensors: keep nothing but positions and constants
         for fn, base, slots, kw in steps:
@@ -305,8 +306,6 @@ class _Replay:
         if self.single is None or self.written is not None:
             return self.run
         shape, stride, dtype, spec = self.shape, self.stride, self.dtype, self.spec
-        if stride == _contiguous(shape):
-            stride = None  # the wrapper computes contiguous strides itself, 0.15 us sooner
         fn, base, slots, kw = self.steps[0]
         # the usual argument shapes spelled out: one Python frame per call, not two
         if not kw and slots == ((0, 0), (1, 1)) and len(base) == 2:
@@ -366,11 +365,6 @@ class _Replay:
 def _written_source(d, args, sources):
     """The value index of the DTensor a recorded in-place op wrote into."""
     return sources.get(id(args[d.flat_positions[d.mutated]]))
-
-
-def _contiguous(shape):
-    """The strides a wrapper built without strides gets."""
-    return torch.empty(shape, device="meta").stride()
 
 
 def _single_step(fn, base, slots, kw):
