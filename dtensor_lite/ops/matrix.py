@@ -215,21 +215,17 @@ def _plan_linear(x, w, b) -> "_LinearPlan | None":
     elif xp.is_shard(last) and wp.is_shard(1) and bp in (None, R):  # row-parallel
         out, plan.x_grad, plan.b_grad = Partial("sum"), (xp,), (R,)
         if b is not None:
-            plan.bias_partial = DTensorSpec(mesh, (Partial("sum"),), b._spec.tensor_meta)
+            plan.bias_partial = b._spec.with_placements((Partial("sum"),))
     else:
         return None
     plan.w_grad = (wp,)
-    plan.x_grad = _grad_spec(x._spec, plan.x_grad)
-    plan.w_grad = _grad_spec(w._spec, plan.w_grad)
-    plan.b_grad = None if b is None else _grad_spec(b._spec, plan.b_grad)
+    plan.x_grad = x._spec.with_placements(plan.x_grad)
+    plan.w_grad = w._spec.with_placements(plan.w_grad)
+    plan.b_grad = None if b is None else b._spec.with_placements(plan.b_grad)
     shape = tuple(x.shape[:-1]) + (w.shape[0],)
     plan.out_spec = DTensorSpec(mesh, (out,), TensorMeta(torch.Size(shape),
                                                          contiguous_stride(shape), x.dtype))
     return plan
-
-
-def _grad_spec(spec: DTensorSpec, placements) -> DTensorSpec:
-    return DTensorSpec(spec.mesh, tuple(placements), spec.tensor_meta)
 
 
 def _linear_on_dtensors(input, weight, bias=None):
