@@ -10,12 +10,13 @@ where other tensors alias it.
 """
 from __future__ import annotations
 
+import sys
 import weakref
 
 import torch
 from torch.utils._mode_utils import no_dispatch
 
-from . import debug, debug_state
+from . import _inflight, debug, debug_state
 from .dtensor import DTensor
 from .ops import _registry
 from .ops._expansion import only_reduces_partials
@@ -233,8 +234,6 @@ def _piece_aliases(local: torch.Tensor):
     of, and private aliases that a finished collective's backend has not yet let go of
     (``_inflight``). Python references to ``local`` itself count too (``to_local()`` under
     no_grad returns it)."""
-    import sys
-    from . import _inflight
     if sys.getrefcount(local) > _OWN_LOCAL_REFS:
         return "its local piece is referenced elsewhere (e.g. a to_local() result)"
     storage = local.untyped_storage()
