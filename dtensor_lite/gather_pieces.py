@@ -35,7 +35,7 @@ from . import _caches
 from . import collectives as C
 from .piece_check import checked_global_shape
 from .dtensor import DTensor, _as_grad_dtensor, _redistribute_grad_target, _redistributed
-from .placements import Replicate, Shard
+from .placements import Replicate, Shard, chunk_range
 from .spec import DTensorSpec, TensorMeta, contiguous_stride
 
 __all__ = ["gather_local_pieces", "local_pieces_shape", "pieces_global_shape", "agreement_applies"]
@@ -132,8 +132,7 @@ def _gather_fitted(local, mesh, dim, agreed, carry: bool):
     if min(sizes) < 0:
         return None
     total = sum(sizes)
-    chunk = -(-total // n) if total else 0
-    if sizes != [max(0, min(chunk, total - k * chunk)) for k in range(n)]:
+    if sizes != [chunk_range(total, n, k)[1] for k in range(n)]:
         return None
     if not carry:
         return torch.Size(rest[:dim] + (total,) + rest[dim:]), max(sizes)
