@@ -161,7 +161,8 @@ def _seen_key(rank: int) -> str:
 
 
 def _acknowledge(store) -> None:
-    """Tell the store's host this rank has read the posted failure (once per process)."""
+    """Tell the store's host this rank needs the store no more for the failure: it read the
+    posted one, or posted its own (once per process)."""
     global _ACKNOWLEDGED
     if not _ACKNOWLEDGED:
         _ACKNOWLEDGED = True
