@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .._torch_names import is_missing
 from ..dtensor import DTensor
 from ..spec import DTensorSpec
 
@@ -134,6 +135,8 @@ def overloads_of(op):
     """The overloads a registration for ``op`` covers. A packet's ``out=`` overloads are left
     out: the dispatcher runs them as their functional overload plus a copy into ``out``, while
     a rule written for the functional overload would count ``out`` as one more input."""
+    if is_missing(op):  # an op this torch does not have (_torch_names): nothing to register
+        return []
     if isinstance(op, torch._ops.OpOverloadPacket):
         overloads = [getattr(op, name) for name in op.overloads()]
         return [o for o in overloads if not any(a.is_out for a in o._schema.arguments)]

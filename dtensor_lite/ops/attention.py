@@ -41,6 +41,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
+from .. import _torch_names as torch_names
 from ..dtensor import DTensor
 from ..placements import Partial, Replicate, Shard
 from ..spec import DTensorSpec, TensorMeta
@@ -48,7 +49,7 @@ from ._registry import Decompose, intercept_composite, register_rule
 from .kit import arg, choose, input_names, strategy, target_spec
 from .nn import sharding_mesh_dims
 
-aten = torch.ops.aten
+aten = torch_names.aten
 R = Replicate()
 P = Partial()
 SDPA_CPU = aten._scaled_dot_product_flash_attention_for_cpu.default

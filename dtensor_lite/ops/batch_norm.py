@@ -34,6 +34,7 @@ import functools
 
 import torch
 
+from .. import _torch_names as torch_names
 from ..placements import Partial, Replicate, Shard
 from ..redistribute.entry import redistribute_local
 from ..spec import DTensorSpec, TensorMeta
@@ -41,7 +42,7 @@ from ._registry import Decompose, FullStrategy, register_rule
 from .kit import arg, bound_args, choose, input_names, replace_args, strategy
 from .nn import all_reduce_over
 
-aten = torch.ops.aten
+aten = torch_names.aten
 R = Replicate()
 P = Partial()
 CHANNEL = 1

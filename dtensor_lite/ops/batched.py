@@ -12,10 +12,11 @@ from __future__ import annotations
 
 import torch
 
+from .. import _torch_names as torch_names
 from ..placements import Replicate, Shard
 from ._registry import register_rule
 
-aten = torch.ops.aten
+aten = torch_names.aten
 R = Replicate()
 
 
@@ -65,7 +66,7 @@ def _overloads(*names):
     """Every overload (default, vec, ...) of the named aten ops that this torch has."""
     out = []
     for name in names:
-        packet = getattr(aten, name, None)
+        packet = torch_names.find_op(name)
         out += [getattr(packet, o) for o in packet.overloads()] if packet is not None else []
     return out
 

@@ -17,11 +17,12 @@ from __future__ import annotations
 
 import torch
 
+from .. import _torch_names as torch_names
 from ..placements import LINEAR_REDUCE_OPS, Replicate, Shard
 from ._registry import register_rule
 from .kit import arg, choose, empty_piece_safe
 
-aten = torch.ops.aten
+aten = torch_names.aten
 R = Replicate()
 
 

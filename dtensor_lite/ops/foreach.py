@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from .. import _torch_names as torch_names
 from ..dtensor import DTensor
 from ..redistribute import redistribute_local
 from .. import collectives as C
@@ -27,7 +28,7 @@ from ._registry import (CROSS_MESH_OPS, Decompose, FullStrategy, OpCall, get_rul
 from ._expansion import expand_strategies, only_reduces_partials
 from .pointwise import reads_number_signs_only
 
-aten = torch.ops.aten
+aten = torch_names.aten
 
 __all__ = ["foreach_rule", "fused_optimizer_rule"]
 
@@ -154,7 +155,7 @@ class _ForeachInfo:
             base = _SCALAR_RENAMES.get(base, base)
         names = [base + "_", base] if self.inplace else [base]
         for packet_name in names:
-            packet = getattr(aten, packet_name, None)
+            packet = torch_names.find_op(packet_name)
             if packet is None:
                 continue
             for ov in packet.overloads():
@@ -489,7 +490,7 @@ def _register_all():
                 if info.base in _REDUCING:  # per-tensor results: grouped by mesh in _batched
                     CROSS_MESH_OPS[overload] = _reducing_decomposition(overload, info)
     for name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"):
-        packet = getattr(aten, name, None)
+        packet = torch_names.find_op(name)
         if packet is not None:
             for ov in packet.overloads():
                 # lr, betas, eps, ...: passed through to the kernel, never read by the rule

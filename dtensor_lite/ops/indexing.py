@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _torch_names as torch_names
 from .._fallback import replicated_local, replicated_run, wrap_replicated
 from ..dtensor import DTensor
 from ..placements import LINEAR_REDUCE_OPS, REDUCE_OPS, Partial, Replicate, Shard
@@ -32,7 +33,7 @@ from ._registry import Decompose, intercept_composite, register_rule
 from .kit import choose, input_locations, target_spec
 from .pointwise import with_scalar_zeroing
 
-aten = torch.ops.aten
+aten = torch_names.aten
 R = Replicate()
 
 

@@ -19,13 +19,14 @@ import functools
 
 import torch
 
+from .. import _torch_names as torch_names
 from ..placements import LINEAR_REDUCE_OPS, Partial, Replicate, Shard
 from ..spec import DTensorSpec
 from ._registry import register_rule
 from .kit import arg, choose, input_names, replace_args, strategy, target_spec
 from .nn import all_reduce_over, sharding_mesh_dims
 
-aten = torch.ops.aten
+aten = torch_names.aten
 R = Replicate()
 P = Partial()
 NONE, MEAN, SUM = 0, 1, 2  # at::Reduction

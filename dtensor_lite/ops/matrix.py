@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .. import _torch_names as torch_names
 from .. import _caches
 from ..compile_support import is_traced
 from ..dtensor import DTensor, _FromLocal, _Redistribute, _ToLocal
@@ -16,7 +17,7 @@ from ..redistribute.planner import _PLANS
 from ..spec import DTensorSpec, TensorMeta, contiguous_stride
 from ._registry import Decompose, intercept_composite, register_rule
 
-aten = torch.ops.aten
+aten = torch_names.aten
 R = Replicate()
 
 

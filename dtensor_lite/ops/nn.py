@@ -27,13 +27,14 @@ import itertools
 
 import torch
 
+from .. import _torch_names as torch_names
 from .. import collectives
 from ..placements import LINEAR_REDUCE_OPS, Partial, Replicate, Shard
 from ..spec import DTensorSpec, TensorMeta
 from ._registry import register_rule
 from .kit import arg, choose, input_names, strategy, target_spec
 
-aten = torch.ops.aten
+aten = torch_names.aten
 R = Replicate()
 P = Partial()
 

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import torch
 
+from .. import _torch_names as torch_names
 from ..placements import LINEAR_REDUCE_OPS, Partial, Replicate, Shard
 from ..spec import DTensorSpec
 from ._registry import Decompose, FullStrategy, get_rule, register_rule
 from .kit import arg_at, choose, input_locations
 
-aten = torch.ops.aten
+aten = torch_names.aten
 R = Replicate()
 
 __all__ = ["pointwise_strategies", "with_scalar_zeroing", "reads_number_signs_only", "POINTWISE_OPS"]

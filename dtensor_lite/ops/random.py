@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _torch_names as torch_names
 from ..placements import Replicate, Shard
 from ..spec import DTensorSpec
 from ..random import agreement_dims, ranks_key, sync_before_draw
@@ -26,7 +27,7 @@ from ._registry import FullStrategy, get_rule, register_rule
 
 __all__ = ["random_rule"]
 
-aten = torch.ops.aten
+aten = torch_names.aten
 
 # ---------------------------------------------------------------- local pieces
 def _region(spec: DTensorSpec):

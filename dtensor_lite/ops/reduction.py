@@ -17,6 +17,7 @@ import math
 
 import torch
 
+from .. import _torch_names as torch_names
 from ..dtensor import DTensor
 from ..placements import LINEAR_REDUCE_OPS, Partial, Replicate, Shard
 from ..redistribute import plan_redistribute, redistribute_local, run_plan
@@ -26,7 +27,7 @@ from ._registry import Decompose, register_rule
 from .kit import arg_at
 from .view import carry_order, full_strategy
 
-aten = torch.ops.aten
+aten = torch_names.aten
 R = Replicate()
 
 

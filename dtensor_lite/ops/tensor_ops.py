@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from .. import _torch_names as torch_names
 from ..dtensor import DTensor
 from ..redistribute import redistribute_local
 from .. import collectives
@@ -18,7 +19,7 @@ from ._registry import Decompose, FullStrategy, register_rule
 from .kit import arg_at, choose
 from .pointwise import _cast_keeps, with_scalar_zeroing
 
-aten = torch.ops.aten
+aten = torch_names.aten
 R = Replicate()
 
 __all__ = ["keep_strategy"]

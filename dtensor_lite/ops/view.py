@@ -19,12 +19,13 @@ import math
 
 import torch
 
+from .. import _torch_names as torch_names
 from ..placements import Partial, Replicate, Shard
 from ..spec import DTensorSpec, TensorMeta, shard_orders
 from ._registry import FullStrategy, register_rule
 from .kit import arg_at
 
-aten = torch.ops.aten
+aten = torch_names.aten
 R = Replicate()
 _INT_MAX = 2 ** 63 - 1
 

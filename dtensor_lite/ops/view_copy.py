@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import torch
 
+from .. import _torch_names as torch_names
 from ._registry import RULES, Decompose, FullStrategy, OpCall, get_rule, set_rule
 
-aten = torch.ops.aten
+aten = torch_names.aten
 
 
 def _fresh(out):
@@ -39,7 +40,7 @@ def _register_copy_variants():
     for view_op in list(RULES):
         if not view_op.is_view:
             continue
-        twin = getattr(aten, view_op._schema.name.split("::")[-1] + "_copy", None)
+        twin = torch_names.find_op(view_op._schema.name.split("::")[-1] + "_copy")
         copy_op = getattr(twin, view_op._overloadname, None) if twin is not None else None
         if copy_op is not None and get_rule(copy_op) is None:
             set_rule(copy_op, _copy_rule(view_op, RULES[view_op]))
