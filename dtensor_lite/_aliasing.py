@@ -17,6 +17,7 @@ import torch
 from torch.utils._mode_utils import no_dispatch
 
 from . import _inflight, debug, debug_state
+from ._torch_names import aten, find_op
 from .dtensor import DTensor
 from .ops import _registry
 from .ops._expansion import only_reduces_partials
@@ -135,7 +136,9 @@ def functional_overload(op, packet_name=None):
     """The non-mutating overload of ``packet_name`` (default: the op's own packet) taking the op's
     non-out arguments; where several take the same names (squeeze.dim / squeeze.dims), the one
     whose types match too."""
-    packet = getattr(torch.ops.aten, packet_name or op._schema.name.split("::")[-1])
+    packet = find_op(packet_name or op._schema.name.split("::")[-1])
+    if packet is None:  # an in-place op without a functional twin (in this torch)
+        return None
     args = [a for a in op._schema.arguments if not a.is_out]
     wanted = [a.name for a in args]
     cands = [getattr(packet, name) for name in packet.overloads()]
@@ -268,7 +271,7 @@ def inplace_view_decision(op, args, kwargs, dts, decide):
     applied to the DTensor itself. None where the functional op has no rule (the caller falls
     back to running on whole tensors)."""
     x = dts[0]
-    if op is torch.ops.aten.as_strided_.default:
+    if op is aten.as_strided_.default:
         size, stride = args[1], args[2]
         offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
         if tuple(size) == tuple(x.shape) and tuple(stride) == tuple(x.stride()) and \

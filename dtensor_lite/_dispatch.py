@@ -33,6 +33,7 @@ from . import _aliasing, _caches, _failures, _fallback, debug, debug_state
 from ._aliasing import COPIED_VIEWS
 from .compile_support import is_traced
 from ._quick_call import quick_callable
+from ._torch_names import aten
 from .dtensor import DTensor, use_dispatcher
 from .ops import _registry
 from .ops._expansion import expand_strategies
@@ -336,7 +337,7 @@ def _mesh_of(op, dts):
 
 # ops answered from shapes alone: a plain tensor among their arguments is no ambiguity (torch's
 # ``is_same_size(dtensor, tensor)`` compares the global shape with the tensor's)
-_SHAPE_ONLY_OPS = (torch.ops.aten.is_same_size.default,)
+_SHAPE_ONLY_OPS = (aten.is_same_size.default,)
 
 
 def _spec_args(op, args, kwargs):

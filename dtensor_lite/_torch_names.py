@@ -20,17 +20,25 @@ import importlib
 
 import torch
 
-# What a supported release is known to lack, with the release that dropped (or has not yet
-# added) it. A name missing from the installed torch and not listed here is a surprise the
-# compatibility test reports (tests/test_torch_names.py).
-KNOWN_ABSENT: dict[str, str] = {
-    "aten.cholesky": "removed in torch 2.15 (use linalg_cholesky_ex)",
-    "aten.qr": "removed in torch 2.15 (use linalg_qr)",
+# What a supported release is known to lack: name -> (the first release without it, what to use
+# instead). A name missing from the installed torch and not listed here is a surprise that
+# tests/test_torch_names.py reports; a listed name that a release from "since" on still has
+# (or an older one lacks) is a wrong row, reported too.
+KNOWN_ABSENT: dict[str, tuple[str, str]] = {
+    "aten.cholesky": ("2.15", "use linalg_cholesky_ex"),
+    "aten.qr": ("2.15", "use linalg_qr"),
 }
 
 # every name looked up through this module: "aten.<op>[.<overload>]" or a dotted private path,
 # mapped to whether the installed torch has it
 LOOKED_UP: dict[str, bool] = {}
+
+
+def _why_absent(name: str) -> str:
+    if name in KNOWN_ABSENT:
+        since, instead = KNOWN_ABSENT[name]
+        return f"torch {since} removed it ({instead})"
+    return "this torch may be outside the supported range (pyproject.toml)"
 
 
 class Missing:
@@ -53,7 +61,7 @@ class Missing:
     def __call__(self, *args, **kwargs):
         raise NotImplementedError(
             f"aten.{self.name} does not exist in torch {torch.__version__}; "
-            f"{KNOWN_ABSENT.get('aten.' + self.name.split('.')[0], 'it was removed or renamed')}")
+            f"{_why_absent('aten.' + self.name.split('.')[0])}")
 
     def __repr__(self) -> str:
         return f"Missing(aten.{self.name})"
@@ -88,20 +96,45 @@ def find_op(name: str):
     return getattr(torch.ops.aten, name, None) if hasattr(torch.ops.aten, name) else None
 
 
-def private(path: str):
-    """The attribute at dotted ``path`` (``"torch._C._foo"``, ``"torch.utils._pytree.tree_map"``),
-    or None where this torch has no such module or attribute."""
+_ABSENT = object()
+
+
+def private(path: str, default=_ABSENT):
+    """The attribute at dotted ``path`` (``"torch._C._foo"``, ``"torch.utils._pytree.tree_map"``).
+    Where this torch has no such module or attribute: ``default`` if given (the caller's way of
+    doing without it), else a stand-in that raises, when called, an error naming the name and
+    the torch version -- so the library still imports and only the feature that needs it fails."""
     parts = path.split(".")
-    obj = None
-    for i in range(len(parts), 0, -1):  # the longest importable module prefix
+    obj, i = None, len(parts)
+    while i > 0:  # the longest importable module prefix
         try:
             obj = importlib.import_module(".".join(parts[:i]))
-        except ImportError:
-            continue
-        break
-    for attr in parts[i:] if obj is not None else ():
-        obj = getattr(obj, attr, None)
-        if obj is None:
             break
-    LOOKED_UP[path] = obj is not None
-    return obj
+        except ImportError:
+            i -= 1
+    for attr in parts[i:] if obj is not None else ():
+        obj = getattr(obj, attr, _ABSENT)
+        if obj is _ABSENT:
+            break
+    found = obj is not None and obj is not _ABSENT
+    LOOKED_UP[path] = found
+    if found:
+        return obj
+    if default is not _ABSENT:
+        return default
+    return _Unavailable(path)
+
+
+class _Unavailable:
+    """A required private torch name this release lacks: raises when used."""
+
+    def __init__(self, path: str):
+        self.path = path
+
+    def __call__(self, *args, **kwargs):
+        raise NotImplementedError(
+            f"{self.path} does not exist in torch {torch.__version__}, and dtensor_lite needs it "
+            f"here; {_why_absent(self.path)} (docs/compatibility.md)")
+
+    def __repr__(self) -> str:
+        return f"_Unavailable({self.path})"

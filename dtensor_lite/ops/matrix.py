@@ -178,12 +178,15 @@ class _LinearPlan:
     __slots__ = ("out_spec", "x_grad", "w_grad", "b_grad", "bias_partial")
 
 
+_dispatch_modes = torch_names.private("torch._C._len_torch_dispatch_stack")
+
+
 def _feature_sharded_linear(x, w, b):
     key = (x._spec, w._spec, None if b is None else b._spec)
     plan = _LINEAR_PLANS.get(key)
     if plan is None:
         plan = _caches.remember(_LINEAR_PLANS, key, _plan_linear(x, w, b) or _NOT_LOCAL, _PLANS)
-    if plan is _NOT_LOCAL or torch._C._len_torch_dispatch_stack() or \
+    if plan is _NOT_LOCAL or _dispatch_modes() or \
             is_traced(x._local_tensor) or is_traced(w._local_tensor):
         return None
     # contiguous: the local kernels the composite would pick for this (contiguous) wrapper

@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from ..device_mesh import init_device_mesh
+from .._torch_names import aten
 from ..dtensor import DTensor
 from ..memory_categories import CATEGORIES
 from .cost import ComputeModel, LinkModel, comm_seconds, overlap
@@ -97,7 +98,7 @@ def _fused_attention_on_meta():
     def sdpa(*args, **kwargs):
         if _fusable(*args, **kwargs):
             q, k, v = args[:3]
-            return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            return aten._scaled_dot_product_flash_attention_for_cpu(
                 q, k, v, kwargs.get("dropout_p", 0.0), kwargs.get("is_causal", False),
                 attn_mask=kwargs.get("attn_mask"), scale=kwargs.get("scale"))[0]
         return original(*args, **kwargs)

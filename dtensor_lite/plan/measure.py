@@ -42,6 +42,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
+from .._torch_names import aten
 from ..debug import CommDebugMode
 from ..dtensor import DTensor
 from ..memory_categories import (ACTIVATIONS, COMM_BUFFERS, GRADIENTS, OPTIMIZER_STATE,
@@ -161,13 +162,12 @@ class _StepMode(TorchDispatchMode):
         return total
 
 
-_aten = torch.ops.aten
 # the CPU fused attention kernels, which torch's table lacks: the same count as the CUDA ones
 _FLOPS = {
     **flop_registry,
-    _aten._scaled_dot_product_flash_attention_for_cpu:
+    aten._scaled_dot_product_flash_attention_for_cpu:
         lambda q, k, v, *_, **__: sdpa_flop_count(q.shape, k.shape, v.shape),
-    _aten._scaled_dot_product_flash_attention_for_cpu_backward:
+    aten._scaled_dot_product_flash_attention_for_cpu_backward:
         lambda g, q, k, v, *_, **__: sdpa_backward_flop_count(g.shape, q.shape, k.shape, v.shape),
 }
 
