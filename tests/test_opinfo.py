@@ -167,6 +167,9 @@ FULL_OP_DB = os.environ.get("DTL_OPINFO_FULL") == "1"
 # DTL_OPINFO_INPLACE=1: run each OpInfo's in-place variant (ops without one are skipped), forward
 # only, comparing the result and the written tensor
 INPLACE_OP_DB = os.environ.get("DTL_OPINFO_INPLACE") == "1"
+# DTL_OPINFO_IMPL=torch: the same measurement on torch's own DTensor (its pass counts beside
+# ours on the installed torch; the test then only prints them, it asserts nothing of torch's)
+TORCH_IMPL = os.environ.get("DTL_OPINFO_IMPL", "ours") == "torch"
 OP_DB_SEED = int(os.environ.get("DTL_OPINFO_SEED", datetime.date.today().toordinal()))
 OPS_PER_PASS = 20  # sampled mode: 5 passes x 20 ops, forward and backward
 OP_DB_BATCH = 8 if FULL_OP_DB else 24  # ops per call into the worker pool (a hang loses one)
@@ -211,6 +214,18 @@ CLEAN_ERRORS = (ValueError, RuntimeError, NotImplementedError)
 
 def _op_key(info):
     return info.name + (f".{info.variant_test_name}" if info.variant_test_name else "")
+
+
+def _lib():
+    """The DTensor library under test: ours, or torch's own (DTL_OPINFO_IMPL=torch)."""
+    from types import SimpleNamespace
+    if TORCH_IMPL:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+    else:
+        from dtensor_lite import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
+    return SimpleNamespace(DTensor=DTensor, Replicate=Replicate, Shard=Shard,
+                           distribute_tensor=distribute_tensor, init_device_mesh=init_device_mesh)
 
 
 def _op_db_entries():
@@ -276,7 +291,7 @@ def _compare(got, want, what):
     """Raises _Mismatch when a value differs. float32 tolerances: sharded reductions add in
     another order, each partial sum rounding at ~1e-7 relative; 1e-4 leaves room for the few
     hundred terms of OpInfo's samples and for ops that amplify it a little (norms, solves)."""
-    from dtensor_lite import DTensor
+    DTensor = _lib().DTensor
     got_flat, _ = tree_flatten(got)
     want_flat, _ = tree_flatten(want)
     if len(got_flat) != len(want_flat):
@@ -307,16 +322,16 @@ class _NoVariant(Exception):
 def _weighted_sum(outs, like_dtensor):
     """A scalar that depends on every element of every float result with its own weight
     (a plain sum would hide permuted elements)."""
-    from dtensor_lite import DTensor, Replicate, distribute_tensor
+    lib = _lib()
     total = None
     for o in tree_flatten(outs)[0]:
         if not isinstance(o, torch.Tensor) or not o.is_floating_point() or not o.requires_grad:
             continue
         g = torch.Generator().manual_seed(o.numel())
         w = torch.rand(o.shape, generator=g) + 0.5
-        if isinstance(o, DTensor):
-            w = distribute_tensor(w, o.device_mesh, [Replicate()] * o.device_mesh.ndim,
-                                  src_data_rank=None)
+        if isinstance(o, lib.DTensor):
+            w = lib.distribute_tensor(w, o.device_mesh, [lib.Replicate()] * o.device_mesh.ndim,
+                                      src_data_rank=None)
         term = (o * w).sum()
         total = term if total is None else total + term
     return total
@@ -336,13 +351,14 @@ def _own_storage(t):
 
 def _one_case(info, sample, mesh, codes, seed):
     """One sample on one layout: forward, then backward where autograd applies."""
-    from dtensor_lite import distribute_tensor
+    lib = _lib()
     args, kwargs = tree_map(_own_storage, ((sample.input, *sample.args), dict(sample.kwargs)))
     plain_leaves = [t for t in tree_flatten((args, kwargs))[0]
                     if isinstance(t, torch.Tensor) and t.requires_grad]
     fn = info.inplace_variant if INPLACE_OP_DB else info.op
     torch.manual_seed(seed)
-    dargs, dkwargs, placed = place_sample(args, kwargs, mesh, codes, distribute_tensor)
+    dargs, dkwargs, placed = place_sample(args, kwargs, mesh, codes, lib.distribute_tensor,
+                                          lib.Replicate, lib.Shard)
     want = fn(*args, **kwargs)
     torch.manual_seed(seed)
     got = fn(*dargs, **dkwargs)
@@ -381,12 +397,10 @@ def _run_op_db_batch(pass_name, keys, n_samples):
     Ranks check after each op that they agree (which also keeps them in step)."""
     import warnings
     from torch.testing._internal.common_methods_invocations import op_db
-    from dtensor_lite import init_device_mesh
-    from dtensor_lite.debug import FallbackRedistributeWarning
     warnings.filterwarnings("ignore")  # OpInfo samples call deprecated ops; fallbacks warn
     by_key = {_op_key(o): o for o in op_db}
     mesh_shape, codes = {**OP_DB_PASSES, **OPT_IN_PASSES}[pass_name]
-    mesh = init_device_mesh("cpu", mesh_shape)
+    mesh = _lib().init_device_mesh("cpu", mesh_shape)
     results = {}
     for key in keys:
         info = by_key[key]
@@ -459,7 +473,8 @@ def test_opinfo_whole_op_db():
                 out = {k: ("internal", f"batch failed: {str(e)[-3000:]}") for k in batch}
             results.update({(pass_name, k): r for k, r in out.items()})
     lines = [f"op_db ({'full' if FULL_OP_DB else f'sample, seed {OP_DB_SEED}'}, "
-             f"{len(keys)} entries):"]
+             f"{len(keys)} entries, {'torch' if TORCH_IMPL else 'our'} DTensor, "
+             f"torch {torch.__version__}):"]
     for pass_name in passes:
         rs = [r for (p, _), r in results.items() if p == pass_name]
         count = {s: sum(1 for st, _ in rs if st == s) for s in
@@ -473,6 +488,8 @@ def test_opinfo_whole_op_db():
         import json
         with open(os.environ["DTL_OPINFO_REPORT"], "w") as f:
             json.dump({f"{p}|{k}": r for (p, k), r in results.items()}, f, indent=1)
+    if TORCH_IMPL:
+        return  # a measurement of torch's DTensor, printed above
     bad = {pk: r for pk, r in results.items() if r[0] in ("mismatch", "internal") or (
         r[0] == "error" and pk[1] not in NOT_SUPPORTED_OP_DB)}
     assert not bad, f"OpInfo seed {OP_DB_SEED}:\n" + "\n".join(
