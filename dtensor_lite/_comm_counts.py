@@ -95,7 +95,9 @@ class CommCounts(dict):
         """``{qualified torch op name: count}``, e.g. ``{"c10d_functional::all_reduce": 2}``."""
         return dict(self._torch)
 
-    def _add(self, kind: str, op: str) -> None:
+    def _add(self, kind: str, op: str, torch_names: tuple[str, ...] | None = None) -> None:
+        """Count one collective of ``kind``; ``torch_names``: the torch ops it counts as, where
+        they are known (a functional collective user code called), else derived from ``op``."""
         dict.__setitem__(self, kind, dict.get(self, kind, 0) + 1)
-        for name in torch_op_names(kind, op):
+        for name in torch_op_names(kind, op) if torch_names is None else torch_names:
             self._torch[name] = self._torch.get(name, 0) + 1

@@ -342,6 +342,8 @@ _SHAPE_ONLY_OPS = (aten.is_same_size.default,)
 
 def _spec_args(op, args, kwargs):
     """Args with DTensors replaced by their specs; plain non-scalar tensors are an error."""
+    scalar_kwargs = _registry.SCALAR_TENSOR_KWARGS.get(op, ())
+
     def conv(a):
         if isinstance(a, DTensor):
             return a._spec
@@ -355,7 +357,13 @@ def _spec_args(op, args, kwargs):
                 "on every rank, run the op under dtensor_lite.experimental.implicit_replication() "
                 "(only Python scalars and 0-d tensors are treated as replicated automatically)")
         return a
-    return tree_map(conv, list(args)), tree_map(conv, dict(kwargs))
+    return tree_map(conv, list(args)), {
+        k: v if k in scalar_kwargs and _one_element(v) else tree_map(conv, v)
+        for k, v in kwargs.items()}
+
+
+def _one_element(a) -> bool:
+    return isinstance(a, torch.Tensor) and not isinstance(a, DTensor) and a.numel() == 1
 
 
 def _meta_outputs(op, args, kwargs):
@@ -470,8 +478,10 @@ class _OutsideMeshFallback:
 
 def _decide_on_one_mesh(op, args, kwargs, dts):
     mesh = _mesh_of(op, dts)
+    scalar_kwargs = _registry.SCALAR_TENSOR_KWARGS.get(op, ())
     if any(_is_plain(a) or (isinstance(a, (list, tuple)) and any(_is_plain(x) for x in a))
-           for a in (*args, *kwargs.values())):
+           for a in (*args, *[v for k, v in kwargs.items()
+                              if not (k in scalar_kwargs and _one_element(v))])):
         return _PlainAsReplicatedDecision(op, mesh)
     rule = _registry.get_rule(op)
     if rule is None:

@@ -20,6 +20,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from .debug_state import comm_cause
+from .device_mesh import DeviceMesh
 from .dtensor import DTensor
 from .gather_pieces import pieces_global_shape
 from .placements import Partial, Placement, Replicate
@@ -77,7 +78,7 @@ def local_map(func: Callable | None = None, out_placements=None, in_placements=N
 
     @functools.wraps(func)
     def wrapped(*args, **kwargs):
-        flat_args, args_tree = tree_flatten(args)
+        flat_args, args_tree = tree_flatten(args, is_leaf=_is_mesh_or_placement)
         if not any(isinstance(a, DTensor) for a in tree_flatten((flat_args, kwargs))[0]):
             return func(*args, **kwargs)
         _check_lengths("in_placements", in_placements, flat_args)
@@ -142,6 +143,14 @@ def derive_grad_placements(placements, out_placements, what: str = "the input") 
                     "give its entry in in_grad_placements")
             grads.append(Partial("sum") if any(spread) else Replicate())
     return tuple(grads)
+
+
+def _is_mesh_or_placement(a) -> bool:
+    """A DeviceMesh or Placement argument is one flattened input (``None`` in in_placements), as
+    in torch: ours are pytree constants for torch.compile, which would otherwise flatten to
+    nothing and shift every later input's entry (``local_map(f, in_placements=(None, ...))(mesh,
+    x)``, torch's test_local_map)."""
+    return isinstance(a, (DeviceMesh, Placement))
 
 
 def _name(func) -> str:

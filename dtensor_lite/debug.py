@@ -1,7 +1,9 @@
 """CommDebugMode: count and measure every collective that dtensor_lite issues.
 
 All communication goes through :mod:`dtensor_lite.collectives`, which reports each call here, so
-the counter sees redistributes, op-triggered resharding and FSDP's batched collectives alike.
+the counter sees redistributes, op-triggered resharding and FSDP's batched collectives alike;
+torch's functional collectives that user code calls inside the mode (``funcol.all_reduce(x,
+"sum", mesh)``) count too, as in torch's (:mod:`._funcol_counts`).
 
 Bytes are *bytes sent per rank* under the cost model that the redistribute planner uses (ring
 algorithms, chunks padded to equal size), so a test can check a plan's stated cost against what
@@ -25,6 +27,7 @@ from typing import NamedTuple
 import torch
 
 from ._comm_counts import CommCounts
+from ._funcol_counts import FuncolCounter
 from ._failures import CollectiveFailedError, RankFailedError, propagate_failures
 from ._visualize import visualize_sharding
 from .debug_state import CHECKING, COMM_SINKS, EXPLICIT, TIMERS, UNATTRIBUTED, comm_cause
@@ -114,8 +117,8 @@ class CommDebugMode:
 
     # -- recording
     def _add(self, kind: str, nbytes: int, group_size: int, mesh_dim: str = "?",
-             ranks: tuple[int, ...] = (), op: str = UNATTRIBUTED, input=None):
-        self.comm_counts._add(kind, op)
+             ranks: tuple[int, ...] = (), op: str = UNATTRIBUTED, input=None, torch_names=None):
+        self.comm_counts._add(kind, op, torch_names)
         self.comm_bytes[kind] += nbytes
         fqn = self._module_stack[-1] if self._module_stack else "Global"
         self.calls.append((kind, nbytes, group_size, fqn, mesh_dim))
@@ -136,7 +139,7 @@ class CommDebugMode:
             if entry is None:
                 entry = self.comm_module_counts[name] = {"forward": CommCounts(),
                                                          "backward": CommCounts()}
-            entry[phase]._add(kind, op)
+            entry[phase]._add(kind, op, torch_names)
 
     # -- queries
     def get_comm_counts(self) -> CommCounts:
@@ -267,10 +270,14 @@ class CommDebugMode:
         self._tracker = (_leafless_mod_tracker_class()().__enter__() if self._follows_backward
                          else None)
         COMM_SINKS.append(self._add)
+        self._funcol = FuncolCounter(self._add).__enter__()  # funcol.* that user code calls
         return self
 
     def __exit__(self, *exc):
         COMM_SINKS.remove(self._add)
+        if self._funcol is not None:
+            self._funcol.__exit__(None, None, None)
+            self._funcol = None
         for h in [*self._hooks, *self._exit_hooks.values()]:
             h.remove()
         self._hooks = []
@@ -281,6 +288,7 @@ class CommDebugMode:
         return False
 
     _tracker = None  # torch's ModTracker while the mode is entered: which module runs backward
+    _funcol = None  # the FuncolCounter while the mode is entered
     # whether to follow modules through backward (comm_module_counts' "backward" phase); its
     # multi-grad hooks hold their nodes in reference cycles, which keep a retained graph's
     # saved tensors alive until Python's gc runs (the meter of dtensor_lite.plan turns it off)

@@ -156,7 +156,9 @@ class DTensor(torch.Tensor):
 
         Without ``shape``, Shard dims are assumed even (global = local * mesh size); pass
         ``shape`` for uneven shards, or ``run_check=True`` to gather the local shapes and derive
-        the exact global shape (and check that Replicate pieces agree). Differentiable.
+        the exact global shape (pieces that form no global tensor raise ValueError on every
+        rank) and, as torch's, broadcast the piece of coordinate 0 of every Replicate mesh dim
+        to the others (into ``local_tensor`` when it is contiguous). Differentiable.
 
         In backward the DTensor's gradient is redistributed to ``grad_placements`` before it
         becomes ``local_tensor``'s gradient (default: ``placements``, with Partial dims as
@@ -177,7 +179,8 @@ class DTensor(torch.Tensor):
         outside = mesh.get_coordinate() is None
         if run_check and not outside:
             with debug_state.outermost_cause("from_local(run_check)"):
-                shape = _run_check(local_tensor, mesh, placements, shape, stride=stride)
+                shape, local_tensor = _run_check(local_tensor, mesh, placements, shape,
+                                                 stride=stride)
         if shape is None:
             shape = list(local_tensor.shape)
             for i, p in enumerate(placements):
@@ -519,37 +522,23 @@ def default_mesh(like: torch.Tensor) -> DeviceMesh:
 
 
 def _run_check(local, mesh, placements, shape, stride=None):
-    """Every rank's piece metadata, exchanged to derive the exact global shape (run_check=True);
-    see ``piece_check``: pieces of different sizes, dims or dtypes make every rank raise the
-    same ValueError before anything sized by a piece crosses ranks (gloo would abort). Then the
-    Replicate pieces' values are compared (callers that need only the shape -- local_map, tp's
-    layout hooks -- call ``piece_check.checked_global_shape``)."""
-    from .collectives import all_reduce, broadcast
+    """run_check=True, as torch's: every rank's piece metadata, exchanged to derive the exact
+    global shape; see ``piece_check``: pieces of different sizes, dims or dtypes make every rank
+    raise the same ValueError before anything sized by a piece crosses ranks (gloo would abort).
+    Then, on each Replicate mesh dim, the piece of coordinate 0 is broadcast to the others (in
+    place when ``local`` is contiguous, as torch's ``mesh_broadcast`` writes into it): replicas
+    that differed hold coordinate 0's values after (torch 2.13 and 2.15 alike). Returns the
+    global shape and the piece to wrap."""
+    from .collectives import broadcast
     from .piece_check import checked_global_shape
     global_shape = checked_global_shape(local, mesh, placements, shape, stride)
-
-    def everywhere_max(values):
-        t = torch.tensor(values, dtype=torch.int64, device=device)
-        for i in range(mesh.ndim):
-            t = all_reduce(t, mesh, i, "max")
-        return t.tolist()
-
-    device = local.device if local.device.type != "meta" else "cpu"
-    differs = []
-    for i, p in enumerate(placements):
-        if p.is_replicate():
-            ref = local.clone()
-            broadcast(ref, mesh, i, 0)
-            if not torch.equal(ref, local):
-                differs.append(i)
-    if any(p.is_replicate() for p in placements) and everywhere_max([int(bool(differs))])[0]:
-        where = (f"rank {mesh.get_rank()} differs from coordinate 0 on mesh dims {differs}"
-                 if differs else f"rank {mesh.get_rank()} matches; another rank differs")
-        raise ValueError(
-            f"from_local(run_check=True): the Replicate pieces differ between ranks ({where}); "
-            f"placements {list(placements)}")
-    return torch.Size(global_shape)
-
+    if local.device.type != "meta" and any(p.is_replicate() for p in placements):
+        local = local.contiguous()  # differentiable: a strided piece's copy keeps its graph
+        with torch.no_grad():  # the values of coordinate 0 are data, not a differentiable op
+            for i, p in enumerate(placements):
+                if p.is_replicate():
+                    broadcast(local, mesh, i, 0)
+    return torch.Size(global_shape), local
 
 
 def _dispatch_op(func, args, kwargs):

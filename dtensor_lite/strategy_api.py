@@ -21,7 +21,8 @@ def register_sharding(op):
     The decorated function receives the op's arguments with every DTensor replaced by its
     ``DTensorSpec`` (``.shape``, ``.ndim``, ``.placements``) and returns a list of
     ``(output_placements, input_placements)`` pairs for ONE mesh dim: one placement per output
-    and one per positional argument (``None`` for non-tensor arguments). dtensor_lite expands
+    and one per schema argument, keyword-only ones such as ``out=`` included, in schema order
+    (``None`` for non-tensor arguments), as torch's. dtensor_lite expands
     them over every mesh dim and picks the cheapest per dim.
 
     Example::
@@ -60,18 +61,32 @@ def _as_tuple(p):
 
 
 def _align_inputs(call, in_placements):
-    """Map per-argument placements onto the DTensor inputs in flattened order."""
+    """Map per-argument placements (one per schema argument, in schema order: positional
+    arguments, then keyword-only ones such as ``out=``, as torch's rules list them) onto the
+    DTensor inputs in the dispatcher's flattened order (positional args, then kwargs as given)."""
+    per_arg = list(in_placements)
+    index = {a.name: i for i, a in enumerate(call.op._schema.arguments)}
+    given = [(k, arg) for k, arg in enumerate(call.args)]
+    given += [(index.get(name, len(per_arg)), arg) for name, arg in call.kwargs.items()]
     out = []
-    for arg, p in zip(call.args, list(in_placements) + [None] * len(call.args)):
+    for k, arg in given:
+        p = per_arg[k] if k < len(per_arg) else None
         if isinstance(arg, DTensorSpec):
             if not isinstance(p, Placement):
-                raise ValueError(f"register_sharding rule for {call.op} gave {p!r} for a DTensor "
-                                 "argument; give a Placement (None is only for non-tensor args)")
+                raise ValueError(f"register_sharding rule for {call.op} gave {p!r} for the DTensor "
+                                 f"argument {_arg_name(call.op, k)}; give a Placement (None is "
+                                 "only for non-tensor args)")
             out.append(p)
         elif isinstance(arg, (list, tuple)) and any(isinstance(a, DTensorSpec) for a in arg):
             ps = p if isinstance(p, (list, tuple)) else [p] * len(arg)
             out.extend(q for a, q in zip(arg, ps) if isinstance(a, DTensorSpec))
     if len(out) != len(call.inputs):
         raise ValueError(f"register_sharding rule for {call.op} gave placements for {len(out)} "
-                         f"DTensor arguments, but the call has {len(call.inputs)}")
+                         f"DTensor arguments, but the call has {len(call.inputs)}; give one "
+                         "entry per schema argument, keyword-only ones (out=) included")
     return tuple(out)
+
+
+def _arg_name(op, k: int) -> str:
+    args = op._schema.arguments
+    return f"{k} ({args[k].name!r})" if k < len(args) else str(k)

@@ -83,9 +83,14 @@ class Decompose:
 SIGN_KEYED: set = set()
 
 # ops whose result is well defined over inputs on different meshes ({op: fn(*args, **kwargs)}
-# that runs it per mesh): the norm family of foreach ops, each tensor's result on its own mesh.
-# Every other op with inputs on two meshes is an error (the dispatcher's _mesh_of).
+# that runs it per mesh): the foreach ops and the fused optimizer kernels, each index on its own
+# mesh (the norm family: each tensor's result on its own mesh). Every other op with inputs on two meshes is an error (the dispatcher's _mesh_of).
 CROSS_MESH_OPS: dict = {}
+
+# ops whose named keyword arguments may be plain one-element tensors of any number of dims,
+# treated as replicated scalars ({op: names}): torch's fused optimizers take a learning rate
+# torch.tensor([0.1]) (and GradScaler's (1,)-shaped found_inf). Elsewhere only 0-d tensors are.
+SCALAR_TENSOR_KWARGS: dict = {}
 
 
 def register_rule(*ops, scalars_by_sign: bool = False, override: bool = False):

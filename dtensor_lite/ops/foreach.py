@@ -23,7 +23,7 @@ from ..redistribute import redistribute_local
 from .. import collectives as C
 from ..placements import Replicate
 from ..spec import DTensorSpec
-from ._registry import (CROSS_MESH_OPS, Decompose, FullStrategy, OpCall, get_rule,
+from ._registry import (CROSS_MESH_OPS, SCALAR_TENSOR_KWARGS, Decompose, FullStrategy, OpCall, get_rule,
                         key_scalars_by_value, register_rule)
 from ._expansion import expand_strategies, only_reduces_partials
 from .pointwise import reads_number_signs_only
@@ -471,6 +471,44 @@ def _fused_through_temporaries(op, written):
     return run
 
 
+# ---------------------------------------------------------------- lists over several meshes
+def _per_mesh(op):
+    """Run ``op`` once per mesh over the indices whose tensors live there: torch.optim groups
+    parameters by device and dtype only, so one foreach / fused call may hold parameters of
+    several meshes (pipeline stages, experts beside dense layers). Every index is independent, so
+    the result is well defined: each call sees the sublists (and ``Scalar[]`` / a ``scalars``
+    tensor's entries) of its indices; other arguments (a shared learning rate) go to every call."""
+    per_index_tensor = {i for i, a in enumerate(op._schema.arguments)
+                        if a.name == "scalars" and str(a.type) == "Tensor"}
+    names = [a.name for a in op._schema.arguments]
+    returns_list = bool(op._schema.returns) and str(op._schema.returns[0].type) == "List[Tensor]"
+
+    def run(*args, **kwargs):
+        n = len(args[0])
+        groups: dict[int, list[int]] = {}
+        for k in range(n):
+            dt = next((a[k] for a in args if isinstance(a, (list, tuple)) and len(a) == n
+                       and isinstance(a[k], DTensor)), None)
+            groups.setdefault(id(dt._spec.mesh) if dt is not None else 0, []).append(k)
+
+        def pick(a, position, idx):
+            if isinstance(a, (list, tuple)) and len(a) == n:
+                return [a[k] for k in idx]
+            if position in per_index_tensor and isinstance(a, torch.Tensor) and a.ndim == 1:
+                return a[idx]
+            return a
+        results = [None] * n
+        for idx in groups.values():
+            out = op(*[pick(a, i, idx) for i, a in enumerate(args)],
+                     **{k: pick(v, names.index(k) if k in names else -1, idx)
+                        for k, v in kwargs.items()})
+            if returns_list:
+                for k, o in zip(idx, out):
+                    results[k] = o
+        return results if returns_list else None
+    return run
+
+
 def _register_all():
     names = sorted({s.name for s in torch_names.private("torch._C._jit_get_all_schemas")()
                     if s.name.startswith("aten::_foreach_")})
@@ -489,12 +527,18 @@ def _register_all():
                 info = _info(overload)
                 if info.base in _REDUCING:  # per-tensor results: grouped by mesh in _batched
                     CROSS_MESH_OPS[overload] = _reducing_decomposition(overload, info)
+                else:
+                    CROSS_MESH_OPS[overload] = _per_mesh(overload)
     for name in ("_fused_adam_", "_fused_adamw_", "_fused_sgd_", "_fused_adagrad_"):
         packet = torch_names.find_op(name)
         if packet is not None:
             for ov in packet.overloads():
                 # lr, betas, eps, ...: passed through to the kernel, never read by the rule
-                register_rule(getattr(packet, ov), scalars_by_sign=True)(fused_optimizer_rule)
+                overload = getattr(packet, ov)
+                register_rule(overload, scalars_by_sign=True)(fused_optimizer_rule)
+                CROSS_MESH_OPS[overload] = _per_mesh(overload)
+                # torch's fused Adam takes lr=torch.tensor([0.1]) as well as a 0-d tensor
+                SCALAR_TENSOR_KWARGS[overload] = frozenset(("lr", "grad_scale", "found_inf"))
 
 
 _register_all()

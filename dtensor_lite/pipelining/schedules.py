@@ -175,6 +175,7 @@ class _PipelineSchedule:
         if first:
             arg_mbs, kwarg_mbs = split_args_kwargs_into_chunks(
                 args, kwargs, m, self._args_chunk_spec, self._kwargs_chunk_spec)
+            _check_count(len(arg_mbs), m, "the inputs")
         target_mbs = None
         if last_stage is not None and self._loss_fn is not None:
             if target is None and has_backward:
@@ -182,6 +183,7 @@ class _PipelineSchedule:
                                  "compute the loss")
             if target is not None:
                 target_mbs, _ = split_args_kwargs_into_chunks((target,), None, m)
+                _check_count(len(target_mbs), m, "target")
                 target_mbs = [t[0] for t in target_mbs]
         for s in self._stages:
             s.begin_step(has_backward)
@@ -262,6 +264,14 @@ class _PipelineSchedule:
         if not return_outputs:
             return None
         return merge_chunks([outputs[i] for i in range(m)], self._output_merge_spec)
+
+
+def _check_count(got: int, m: int, what: str) -> None:
+    """torch's split gives fewer micro-batches than asked when a tensor has fewer rows."""
+    if got != m:
+        raise ValueError(f"pipelining: {what} split into only {got} micro-batches: a tensor has "
+                         f"{got} rows along its chunk dim, fewer than the {m} micro-batches; "
+                         "pass a larger batch or fewer n_microbatches")
 
 
 def _drop_arrived(pending: list) -> list:
