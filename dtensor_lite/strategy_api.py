@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 from . import _caches
 from ._local_map import local_map
 from .ops._registry import overloads_of, set_rule
-from .placements import Placement
+from .placements import Placement, torch_placements_to_ours
 from .spec import DTensorSpec
 
 __all__ = ["register_sharding", "local_map"]
@@ -54,6 +54,8 @@ def register_sharding(op):
 
 
 def _as_tuple(p):
+    # a rule written for torch may answer with torch's own placements: taken by value
+    p = torch_placements_to_ours(p)
     if isinstance(p, Placement) or p is None:
         return (p,)
     return tuple(p)
@@ -62,6 +64,7 @@ def _as_tuple(p):
 def _align_inputs(call, in_placements):
     """Map per-argument placements onto the DTensor inputs in flattened order."""
     out = []
+    in_placements = torch_placements_to_ours(in_placements)
     for arg, p in zip(call.args, list(in_placements) + [None] * len(call.args)):
         if isinstance(arg, DTensorSpec):
             if not isinstance(p, Placement):

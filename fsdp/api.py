@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dtensor_lite import DTensor, DeviceMesh, Shard, init_device_mesh
+from dtensor_lite.placements import torch_placements_to_ours
 
 from . import hooks
 from .dp_mesh_dims import (DataParallelMeshDims, data_parallel_mesh, non_dp_mesh,
@@ -618,6 +619,7 @@ def _shard_dim(param, where, fn) -> int:
     placement = fn(param) if fn is not None else None
     if placement is None:
         return 0
+    placement = torch_placements_to_ours(placement)  # torch's Shard(d) is taken by value
     if type(placement) is not Shard:
         raise TypeError(f"shard_placement_fn must return Shard(dim) or None, got {placement!r} "
                         f"for parameter {where}")
