@@ -108,6 +108,11 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     tp_meshes = {p.device_mesh for p, _ in managed if isinstance(p, DTensor)}
     # plain parameters of a TP'd group join its TP mesh as Replicate (see FSDPParam)
     replicate_over = next(iter(tp_meshes)) if len(tp_meshes) == 1 else None
+    # param_dtype_override_fn is asked once per parameter, now (as torch), with the parameter the
+    # user's modules held -- before anything is sharded, so a refused answer changes nothing
+    resolved = {id(param): mp_policy._resolve_for_param(users.get(id(param), param))
+                for param, _ in managed}
+    mp_policy = replace(mp_policy, param_dtype_override_fn=None)  # what groups and states keep
     fsdp_params = []
     for param, owners in managed:
         where = _where(owners)
@@ -117,8 +122,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         fsdp_param = FSDPParam(param, owners, info, dim, device, offload,
                                getattr(offload_policy, "pin_memory", False),
                                replicate_over, original=user_param)
-        # asked once per parameter, now (as torch): the user's parameter, as the model held it
-        fsdp_param.mp_policy = mp_policy._resolve_for_param(user_param)
+        fsdp_param.mp_policy = resolved[id(param)]
         fsdp_params.append(fsdp_param)
         mark_replaced(user_param, qualified.get(id(param), where))
     group = None
@@ -127,8 +131,7 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
         group.reshard_after_forward = reshard_after_forward
         if group.post_forward_n():
             info.post_forward(reshard_after_forward)  # creates process groups: on every rank now
-    # the override was resolved per parameter above; the state keeps the module-level policy
-    state = FSDPState(modules, group, replace(mp_policy, param_dtype_override_fn=None))
+    state = FSDPState(modules, group, mp_policy)
     state.default_reshard_after_forward = left_default
     for m in modules:
         m._fsdp_state = state

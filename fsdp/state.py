@@ -243,7 +243,6 @@ class RootContext:
         if OBSERVERS:
             notify("end_of_backward", self.root)
 
-
     # ----------------------------------------------------------------- manual finalization
     def finalize_backward(self):
         """``FSDPModule.finalize_backward``'s work: reduce what the backward passes left pending

@@ -238,9 +238,18 @@ def test_param_dtype_override_fn_keeps_chosen_parameters_in_their_dtype():
         asked.append(tuple(p.shape))
         return p.dtype if p is scale else None
 
+    mesh = init_device_mesh("cpu", (WORLD,))
+    refused = MixedPrecisionPolicy(param_dtype=torch.bfloat16,
+                                   param_dtype_override_fn=lambda p: torch.float16)
+    with pytest.raises(ValueError, match="param_dtype_override_fn must return None"):
+        fully_shard(model, mesh=mesh, mp_policy=refused)
+    assert not isinstance(model, FSDPModule)  # refused before anything was sharded
+    assert all(type(p) is nn.Parameter for p in model.parameters())
+
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                               param_dtype_override_fn=keep_scale)
-    fully_shard(model, mesh=init_device_mesh("cpu", (WORLD,)), mp_policy=mp)
+    asked.clear()
+    fully_shard(model, mesh=mesh, mp_policy=mp)
     assert sorted(asked) == sorted([(6, 6), (6,), (6,)])  # once per parameter, when applied
     x = _batch(1)  # the same batch on every rank: the averaged gradient is the reference's
     model(x).pow(2).mean().backward()
