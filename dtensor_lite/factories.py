@@ -270,10 +270,11 @@ def _spaced(fn: str, make: Callable, start, end, steps, *, dtype, layout, requir
     if any(type(p) is _StridedShard for p in placements):
         raise ValueError(f"{fn}: _StridedShard placements {list(placements)} are not supported "
                          "(as in torch); use Shard(0) or Replicate()")
-    # torch's rule for the dtype: the default dtype, or its complex counterpart for complex ends
-    global_values = make(start, end, steps, dtype=dtype)
     device = torch.device(mesh.device_type, torch.cuda.current_device()) \
         if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+    # on the mesh's device: its kernel's values are the ones torch.linspace gives there. The
+    # dtype follows torch's rule (the default dtype, or its complex counterpart for complex ends)
+    global_values = make(start, end, steps, dtype=dtype, device=device)
     shape = global_values.shape
     spec = DTensorSpec(mesh, placements, TensorMeta(shape, contiguous_stride(shape),
                                                     global_values.dtype))
@@ -286,7 +287,7 @@ def _spaced(fn: str, make: Callable, start, end, steps, *, dtype, layout, requir
         # start below the midpoint, from the end above it, vectorised in blocks), which a
         # per-piece torch.linspace over the piece's sub-range would not be. Costs O(steps)
         # memory for a moment, as rand/randn here do.
-        local = local_piece(global_values.to(device), spec).contiguous().clone()
+        local = local_piece(global_values, spec).contiguous().clone()
         local = partialize(local, spec)
     return DTensor(local, spec, requires_grad=requires_grad)
 
@@ -305,7 +306,7 @@ def linspace(start, end, steps, *, dtype: torch.dtype | None = None,
         >>> x = linspace(0.0, 1.0, 5, device_mesh=mesh, placements=[Shard(0)])  # 2 ranks
         >>> x.to_local()          # rank 0: tensor([0.00, 0.25, 0.50]); rank 1: [0.75, 1.00]
     """
-    return _spaced("linspace", lambda s, e, n, dtype: torch.linspace(s, e, n, dtype=dtype),
+    return _spaced("linspace", lambda s, e, n, **kw: torch.linspace(s, e, n, **kw),
                    start, end, steps, dtype=dtype, layout=layout, requires_grad=requires_grad,
                    device_mesh=device_mesh, placements=placements)
 
@@ -323,6 +324,6 @@ def logspace(start, end, steps, base: float = 10.0, *, dtype: torch.dtype | None
         >>> x.full_tensor()       # tensor([1., 10., 100., 1000.])
     """
     return _spaced("logspace",
-                   lambda s, e, n, dtype: torch.logspace(s, e, n, base, dtype=dtype),
+                   lambda s, e, n, **kw: torch.logspace(s, e, n, base, **kw),
                    start, end, steps, dtype=dtype, layout=layout, requires_grad=requires_grad,
                    device_mesh=device_mesh, placements=placements)
