@@ -18,7 +18,6 @@ import torch
 import torch.nn as nn
 
 from dtensor_lite import DeviceMesh, DTensor, Placement, Replicate, Shard, distribute_tensor
-
 from dtensor_lite.placements import as_placement
 
 from ._layouts import convert, local_piece, one_layout
@@ -233,8 +232,9 @@ def _layout_tuple(layouts, what: str):
 
 
 def _layout_dict(layouts, what: str) -> dict:
-    names = list((layouts or {}).keys())
-    return dict(zip(names, _layout_tuple(tuple((layouts or {}).values()), what) or ()))
+    """One placement (or None) per keyword; torch's own placements are taken by value."""
+    return {name: one_layout(layout, f"{what}[{name!r}]")
+            for name, layout in (layouts or {}).items()}
 
 
 def _check_pairs(layouts, desired, what: str):
