@@ -10,7 +10,8 @@ from . import ops  # noqa: F401  (registers the sharding rules)
 from . import _dispatch  # noqa: F401  (installs itself as DTensor's op dispatcher)
 from . import _fast_path  # noqa: F401  (DTensor's __torch_function__ shortcut; DTENSOR_LITE_FAST_PATH=0 turns it off)
 from .redistribute import explain_redistribute, RedistributePlan
-from .factories import (distribute_tensor, distribute_module, zeros, ones, empty, full, rand, randn)
+from .factories import (distribute_tensor, distribute_module, zeros, ones, empty, full, rand, randn,
+                        linspace, logspace)
 from . import checkpoint, debug, experimental, placement_types, random
 from .strategy_api import local_map, register_sharding
 from .primitives import (all_to_all_single, compute_local_shape_and_global_offset, ring_shift,
@@ -23,8 +24,9 @@ from .state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_s
 __all__ = [
     "DeviceMesh", "init_device_mesh", "Placement", "Shard", "Replicate", "Partial", "DTensor",
     "DTensorSpec", "TensorMeta", "distribute_tensor", "distribute_module", "zeros", "ones",
-    "empty", "full", "rand", "randn", "explain_redistribute", "RedistributePlan", "checkpoint",
-    "debug", "experimental", "placement_types", "register_sharding", "local_map",
+    "empty", "full", "rand", "randn", "linspace", "logspace", "explain_redistribute",
+    "RedistributePlan", "checkpoint", "debug", "experimental", "placement_types",
+    "register_sharding", "local_map",
     "ring_shift", "send_recv", "all_to_all_single", "compute_local_shape_and_global_offset",
     "StateDictOptions", "get_model_state_dict", "set_model_state_dict", "get_optimizer_state_dict",
     "set_optimizer_state_dict", "get_state_dict", "set_state_dict", "clip_grad_norm_",

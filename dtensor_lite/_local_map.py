@@ -23,14 +23,14 @@ from .debug_state import comm_cause
 from .device_mesh import DeviceMesh
 from .dtensor import DTensor
 from .gather_pieces import pieces_global_shape
-from .placements import Partial, Placement, Replicate
+from .placements import Partial, Placement, Replicate, torch_placements_to_ours
 
 __all__ = ["local_map", "derive_grad_placements"]
 
 
 def local_map(func: Callable | None = None, out_placements=None, in_placements=None,
               in_grad_placements=None, device_mesh=None, *, redistribute_inputs: bool = False,
-              out_shape=None):
+              out_shape=None, spmd_types: bool = False):
     """Run ``func`` on local pieces: DTensor args become local tensors, outputs become DTensors.
 
     * ``out_placements``: the placements of the output (one list), or a tuple with one entry per
@@ -58,6 +58,12 @@ def local_map(func: Callable | None = None, out_placements=None, in_placements=N
       welcome): the right global shape on every rank, or the same error on every rank. Pass
       ``out_shape`` to communicate nothing.
     * ``device_mesh``: defaults to the first DTensor argument's mesh.
+    * ``spmd_types``: torch 2.15's runtime SPMD type checking of ``func`` (the ``spmd_types``
+      package's checker) is not provided: ``True`` raises ``NotImplementedError`` once ``func``
+      is called with DTensors (without any it runs as is, as torch's does). Gradient layouts
+      are derived instead (above), or given with ``in_grad_placements``.
+
+    Placements may be dtensor_lite's or torch's own (``torch.distributed.tensor.Shard(0)``).
 
     Keyword arguments are passed through, their DTensors as local tensors (gradient layout
     derived). Without any DTensor argument, ``func`` runs as is. Differentiable.
@@ -70,17 +76,25 @@ def local_map(func: Callable | None = None, out_placements=None, in_placements=N
         ...                    in_placements=([Shard(0)], [Replicate()], [Replicate()]))
         >>> out = attend(q, k_gathered, v_gathered)   # k, v get Partial gradients
     """
+    if not isinstance(spmd_types, bool):
+        raise TypeError(f"local_map: spmd_types must be a bool, got {spmd_types!r}")
     if func is None:  # used as a decorator with arguments, as torch allows
         return functools.partial(local_map, out_placements=out_placements,
                                  in_placements=in_placements,
                                  in_grad_placements=in_grad_placements, device_mesh=device_mesh,
-                                 redistribute_inputs=redistribute_inputs, out_shape=out_shape)
+                                 redistribute_inputs=redistribute_inputs, out_shape=out_shape,
+                                 spmd_types=spmd_types)
+    # torch's own placement objects (torch.distributed.tensor.Shard(0)) are taken by value
+    out_placements, in_placements, in_grad_placements = torch_placements_to_ours(
+        (out_placements, in_placements, in_grad_placements))
 
     @functools.wraps(func)
     def wrapped(*args, **kwargs):
         flat_args, args_tree = tree_flatten(args, is_leaf=_is_mesh_or_placement)
         if not any(isinstance(a, DTensor) for a in tree_flatten((flat_args, kwargs))[0]):
             return func(*args, **kwargs)
+        if spmd_types:
+            _refuse_spmd_types(func)
         _check_lengths("in_placements", in_placements, flat_args)
         _check_lengths("in_grad_placements", in_grad_placements, flat_args)
         mesh = device_mesh if device_mesh is not None else next(
@@ -159,6 +173,18 @@ def _name(func) -> str:
 
 def _entry(per_input, k):
     return None if per_input is None else per_input[k]
+
+
+def _refuse_spmd_types(func) -> None:
+    # torch's spmd_types=True runs func under the spmd_types package's strict checker, which
+    # types every local tensor op and collective against its process groups; none of that
+    # exists here, and silently running unchecked would hide the errors the user asked for
+    raise NotImplementedError(
+        f"local_map({_name(func)}, spmd_types=True): runtime SPMD type checking (torch 2.15's "
+        "spmd_types checker of func's local ops and collectives) is not supported by "
+        "dtensor_lite. Call local_map without spmd_types (default False): the gradient layout "
+        "of each input is derived from the placements (see local_map's docstring), or give it "
+        "explicitly with in_grad_placements=")
 
 
 def _check_lengths(name: str, per_input, flat_args) -> None:

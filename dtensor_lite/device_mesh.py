@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh as _TorchDeviceMesh
 
-from . import _caches, _failures
+from . import _caches, _failures, _mesh_abort
 
 __all__ = ["DeviceMesh", "init_device_mesh"]
 
@@ -89,6 +89,10 @@ class _GroupCache:
         self._groups[key] = group
         return group
 
+    def forget(self, is_dead) -> None:
+        """Drop the cached groups ``is_dead(group)`` says are gone (``DeviceMesh.abort``)."""
+        self._groups = {k: g for k, g in self._groups.items() if g is None or not is_dead(g)}
+
 
 _GROUPS = _GroupCache()
 
@@ -159,6 +163,11 @@ class DeviceMesh:
             # of a mesh over part of the world can be made collectively; from_group meshes are
             # built by their members only
             self._built_by_all = not self._given_groups
+            # every process group this root and its slices / flattened views talk over, and
+            # whether abort() ended them (see _mesh_abort.py)
+            self._used_groups: list = []
+            self._aborted = False
+            _mesh_abort.note_root(self)
         else:
             _root._check_alive()  # a slice of a dead mesh must not quietly get the new groups
             self._root = _root
@@ -224,6 +233,8 @@ class DeviceMesh:
         my_row = next((row for row in rows if self._rank in row), rows[0])
         given = self._root._given_groups.get(root_dims)
         if given is not None:
+            if not any(g is given[0] for g in self._root._used_groups):
+                self._root._used_groups.append(given[0])
             return _DimGroup(given[0], my_row, self._rank, given[1])
         if self._root_mesh.numel() != self._world_size and not self._root._built_by_all:
             # a new group is made by every rank of the world, and ranks outside a sub-world mesh
@@ -237,6 +248,8 @@ class DeviceMesh:
                                        self._root._backend_overrides.get(root_dims))
         if self._rank not in my_row:
             group = None  # new_group hands non-members a placeholder: never talk over it
+        if group is not None and not any(g is group for g in self._root._used_groups):
+            self._root._used_groups.append(group)
         return _DimGroup(group, my_row, self._rank)
 
     @classmethod
@@ -346,12 +359,39 @@ class DeviceMesh:
         ranks in group order, this rank's position): what ``collectives.py`` issues on."""
         # compare with the *live* default group: _GROUPS._owner only moves when a mesh is built,
         # so after destroy + init it would still match this mesh's dead groups
-        if not dist.is_initialized() or \
+        if not dist.is_initialized() or self._root._aborted or \
                 self._pg_owner is not dist.distributed_c10d._get_default_group():
             self._check_alive()
         return self._dim_groups[mesh_dim]
 
+    def abort(self) -> None:
+        """Abort every process group of this mesh (its dims, slices and flattened dims): for a
+        rank whose peers left or hang, so it can stop instead of waiting. Call it on the root
+        mesh (the one ``init_device_mesh`` / the constructor returned); a slice raises
+        ``RuntimeError``, as in torch. Not collective; no group is created.
+
+        Afterwards this mesh, its slices, and every other mesh over the same process groups
+        raise a clear ``RuntimeError`` when used; a mesh built later gets new groups. A mesh
+        whose dim is the whole world uses the default group: that is aborted too (as torch's
+        ``abort``), so re-initialise with ``destroy_process_group()`` +
+        ``init_process_group()`` before building another.
+
+        Example::
+
+            >>> mesh = init_device_mesh("cpu", (2, 4), mesh_dim_names=("dp", "tp"))
+            >>> try:
+            ...     train_step()
+            ... except DistributedError:        # a peer is gone
+            ...     mesh.abort()
+        """
+        _mesh_abort.abort(self, _GROUPS)
+
     def _check_alive(self):
+        if self._root._aborted:
+            raise RuntimeError(
+                f"{self!r}: its process groups were aborted (DeviceMesh.abort()); build a new "
+                "DeviceMesh (after destroy_process_group() / init_process_group() if the default "
+                "group was among them)")
         if not dist.is_initialized() or self._pg_owner is not _GROUPS.owner():
             raise RuntimeError(
                 f"{self!r} was built on a process group that has since been destroyed "

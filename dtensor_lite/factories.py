@@ -9,11 +9,12 @@ import torch.nn as nn
 
 from . import collectives as C
 from .device_mesh import DeviceMesh
+from .placements import _StridedShard
 from .dtensor import DTensor, given_or_current_mesh
 from .spec import DTensorSpec, TensorMeta, contiguous_stride, local_piece, normalize_placements
 
 __all__ = ["distribute_tensor", "distribute_module", "zeros", "ones", "empty", "full", "rand",
-           "randn"]
+           "randn", "linspace", "logspace"]
 
 
 def partialize(local: torch.Tensor, spec: DTensorSpec) -> torch.Tensor:
@@ -243,3 +244,86 @@ def full(size, fill_value, *, requires_grad: bool = False, dtype: torch.dtype | 
     return _factory(lambda s, **kw: torch.full(s, fill_value, **kw), (size,), dtype=dtype,
                     layout=layout, requires_grad=requires_grad, device_mesh=device_mesh,
                     placements=placements)
+
+
+def _endpoint(value, fn: str, name: str):
+    """A linspace / logspace endpoint: a number, or a 0-d tensor (a DTensor's global value)."""
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0:
+            raise ValueError(f"{fn}: {name} must be a number or a 0-dimensional tensor, got a "
+                             f"tensor of shape {tuple(value.shape)}")
+        if isinstance(value, DTensor):
+            value = value.full_tensor()
+        return value.item()
+    return value
+
+
+def _spaced(fn: str, make: Callable, start, end, steps, *, dtype, layout, requires_grad,
+            device_mesh, placements) -> DTensor:
+    if layout != torch.strided:
+        raise ValueError(f"{fn}: only layout=torch.strided is supported, got {layout}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ValueError(f"{fn}: steps must be a non-negative int, got {steps!r}")
+    start, end = _endpoint(start, fn, "start"), _endpoint(end, fn, "end")
+    mesh = given_or_current_mesh(device_mesh, torch.empty(0))
+    placements = normalize_placements(placements, mesh, 1)
+    if any(type(p) is _StridedShard for p in placements):
+        raise ValueError(f"{fn}: _StridedShard placements {list(placements)} are not supported "
+                         "(as in torch); use Shard(0) or Replicate()")
+    device = torch.device(mesh.device_type, torch.cuda.current_device()) \
+        if mesh.device_type == "cuda" else torch.device(mesh.device_type)
+    # on the mesh's device: its kernel's values are the ones torch.linspace gives there. The
+    # dtype follows torch's rule (the default dtype, or its complex counterpart for complex ends)
+    global_values = make(start, end, steps, dtype=dtype, device=device)
+    shape = global_values.shape
+    spec = DTensorSpec(mesh, placements, TensorMeta(shape, contiguous_stride(shape),
+                                                    global_values.dtype))
+    if mesh.get_coordinate() is None:  # outside the mesh: an empty piece
+        from .spec import outside_shape
+        local = torch.zeros(outside_shape(1), dtype=global_values.dtype, device=device)
+    else:
+        # Every rank computes the whole 1-D sequence and keeps its piece: the values are then
+        # bit-identical to torch's own (its kernels round differently by position -- from the
+        # start below the midpoint, from the end above it, vectorised in blocks), which a
+        # per-piece torch.linspace over the piece's sub-range would not be. Costs O(steps)
+        # memory for a moment, as rand/randn here do.
+        local = local_piece(global_values, spec).contiguous().clone()
+        local = partialize(local, spec)
+    return DTensor(local, spec, requires_grad=requires_grad)
+
+
+def linspace(start, end, steps, *, dtype: torch.dtype | None = None,
+             layout: torch.layout = torch.strided, requires_grad: bool = False,
+             device_mesh: DeviceMesh | None = None, placements=None) -> DTensor:
+    """A 1-D DTensor of ``steps`` values evenly spaced from ``start`` to ``end``: globally the
+    same values (bit for bit) as ``torch.linspace(start, end, steps, dtype=dtype)``, laid out by
+    ``placements`` (``Shard(0)`` pieces follow ``torch.chunk``: uneven and empty pieces are
+    exact). ``start`` / ``end``: numbers or 0-d tensors. Without ``device_mesh``: the ``with
+    mesh:`` block's; without ``placements``: replicated.
+
+    Example::
+
+        >>> x = linspace(0.0, 1.0, 5, device_mesh=mesh, placements=[Shard(0)])  # 2 ranks
+        >>> x.to_local()          # rank 0: tensor([0.00, 0.25, 0.50]); rank 1: [0.75, 1.00]
+    """
+    return _spaced("linspace", lambda s, e, n, **kw: torch.linspace(s, e, n, **kw),
+                   start, end, steps, dtype=dtype, layout=layout, requires_grad=requires_grad,
+                   device_mesh=device_mesh, placements=placements)
+
+
+def logspace(start, end, steps, base: float = 10.0, *, dtype: torch.dtype | None = None,
+             layout: torch.layout = torch.strided, requires_grad: bool = False,
+             device_mesh: DeviceMesh | None = None, placements=None) -> DTensor:
+    """A 1-D DTensor of ``steps`` values ``base ** x`` for ``x`` evenly spaced from ``start``
+    to ``end``: globally the same values as ``torch.logspace(start, end, steps, base,
+    dtype=dtype)``, laid out by ``placements`` (as :func:`linspace`).
+
+    Example::
+
+        >>> x = logspace(0, 3, 4, device_mesh=mesh, placements=[Shard(0)])  # 2 ranks
+        >>> x.full_tensor()       # tensor([1., 10., 100., 1000.])
+    """
+    return _spaced("logspace",
+                   lambda s, e, n, **kw: torch.logspace(s, e, n, base, **kw),
+                   start, end, steps, dtype=dtype, layout=layout, requires_grad=requires_grad,
+                   device_mesh=device_mesh, placements=placements)

@@ -17,8 +17,11 @@ used as cache keys on every dispatched op, so their hashes are computed once.
 """
 from __future__ import annotations
 
+import sys
+
 __all__ = ["Placement", "Shard", "Replicate", "Partial", "_StridedShard", "REDUCE_OPS",
-           "LINEAR_REDUCE_OPS", "reductions_mix", "chunk_range"]
+           "LINEAR_REDUCE_OPS", "reductions_mix", "chunk_range", "as_placement",
+           "torch_placements_to_ours", "from_torch_placement"]
 
 REDUCE_OPS = ("sum", "avg", "max", "min", "product")
 _REDUCE_OP_ALIASES = {"prod": "product"}  # torch.prod's spelling of torch's "product"
@@ -226,3 +229,69 @@ class Partial(Placement):
 
     def __str__(self):
         return f"P({self.reduce_op})"
+
+
+# ----------------------------------------------------------------------------- torch's placements
+# Code written for torch (torchtitan, a user's plan) builds ``torch.distributed.tensor.Shard(0)``
+# and hands it to us. Those objects are torch's own classes (C++-backed on 2.13 and 2.15 alike),
+# unrelated to ours, so every entry point that takes a placement converts them *by value* here --
+# one helper, not a check per call site. Ours stay the only placements inside the library
+# (specs, cache keys and rules compare by our types).
+_TORCH_PLACEMENTS = "torch.distributed.tensor.placement_types"
+
+
+def from_torch_placement(p) -> Placement | None:
+    """Ours for one of torch's placement objects; None for anything that is not one."""
+    # a torch placement exists only once its module was imported (by whoever built it), so
+    # this costs nothing -- and imports nothing -- for programs that never use torch's
+    mod = sys.modules.get(_TORCH_PLACEMENTS)
+    if mod is None or not isinstance(p, mod.Placement):
+        return None
+    kind = type(p)
+    if kind is getattr(mod, "_StridedShard", None):  # checked first: some torch releases
+        return _StridedShard(p.dim, p.split_factor)    # derive it from Shard
+    if kind is mod.Shard:
+        return Shard(p.dim)
+    if kind is mod.Replicate:
+        return Replicate()
+    if kind is mod.Partial:
+        return Partial(p.reduce_op)
+    # _MaskPartial (torch's embedding internals) and other subclasses carry state ours cannot
+    raise TypeError(
+        f"torch's placement {p!r} ({kind.__module__}.{kind.__qualname__}) has no dtensor_lite "
+        "equivalent; use Shard(dim), Replicate(), Partial(reduce_op) or _StridedShard")
+
+
+def as_placement(p, what: str = "placement") -> Placement:
+    """``p`` as a dtensor_lite placement: ours as they are; torch's own
+    ``torch.distributed.tensor`` ``Shard`` / ``Replicate`` / ``Partial`` (with its ``reduce_op``)
+    / ``_StridedShard`` converted by value. Anything else raises ``TypeError`` naming ``what``.
+
+    Example::
+
+        >>> import torch.distributed.tensor as tdt
+        >>> as_placement(tdt.Shard(0)), as_placement(tdt.Partial("avg"))
+        (Shard(dim=0), Partial(avg))
+    """
+    if isinstance(p, Placement):
+        return p
+    ours = from_torch_placement(p)
+    if ours is None:
+        raise TypeError(f"{what} must be a Shard/Replicate/Partial placement (dtensor_lite's or "
+                        f"torch.distributed.tensor's), got {p!r} of type {type(p).__name__}")
+    return ours
+
+
+def torch_placements_to_ours(obj):
+    """``obj`` with every torch placement inside (nested lists / tuples) replaced by ours, the
+    rest untouched: for arguments whose structure is checked later (local_map's per-input and
+    per-output placements). ``torch_placements_to_ours(([tdt.Shard(0)], None))``"""
+    if isinstance(obj, (list, tuple)):
+        converted = [torch_placements_to_ours(x) for x in obj]
+        if all(a is b for a, b in zip(converted, obj)):
+            return obj
+        return type(obj)(converted) if type(obj) in (list, tuple) else tuple(converted)
+    if isinstance(obj, Placement) or obj is None:
+        return obj
+    ours = from_torch_placement(obj)
+    return obj if ours is None else ours

@@ -23,6 +23,7 @@ import torch
 from . import collectives
 from .device_mesh import DeviceMesh
 from .dtensor import DTensor
+from .placements import as_placement
 from .spec import DTensorSpec, TensorMeta, contiguous_stride
 
 __all__ = ["ring_shift", "send_recv", "all_to_all_single", "compute_local_shape_and_global_offset"]
@@ -132,7 +133,8 @@ def compute_local_shape_and_global_offset(global_shape: Sequence[int], mesh: Dev
     """
     shape = torch.Size(global_shape)
     meta = TensorMeta(shape, contiguous_stride(shape), torch.float32)
-    spec = DTensorSpec(mesh, tuple(placements), meta)
+    spec = DTensorSpec(mesh, tuple(as_placement(p, "placements entries") for p in placements),
+                       meta)
     if coordinate is not None:
         coordinate = list(coordinate)
         if len(coordinate) != mesh.ndim or any(not 0 <= c < s for c, s in

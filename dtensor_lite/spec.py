@@ -19,7 +19,8 @@ import torch
 
 from . import _caches
 from .device_mesh import DeviceMesh
-from .placements import Placement, Replicate, Shard, _StridedShard, chunk_range, reductions_mix
+from .placements import (Placement, Replicate, Shard, _StridedShard, as_placement, chunk_range,
+                         from_torch_placement, reductions_mix)
 
 __all__ = ["TensorMeta", "DTensorSpec", "chunk_range", "contiguous_stride", "normalize_placements"]
 
@@ -44,16 +45,15 @@ def normalize_placements(placements, mesh: DeviceMesh, ndim: int | None) -> tupl
     """Validate ``placements`` for ``mesh``; make Shard dims non-negative."""
     if placements is None:
         return (Replicate(),) * mesh.ndim
-    if isinstance(placements, Placement):
+    if isinstance(placements, Placement) or from_torch_placement(placements) is not None:
         placements = (placements,)
-    placements = tuple(placements)
+    # torch's own placement objects (torch.distributed.tensor.Shard(0)) are taken by value
+    placements = tuple(as_placement(p, "placements entries") for p in placements)
     if len(placements) != mesh.ndim:
         raise ValueError(f"got {len(placements)} placements {list(placements)} for a {mesh.ndim}-D "
                          f"mesh {mesh}; give exactly one placement per mesh dimension")
     out = []
     for p in placements:
-        if not isinstance(p, Placement):
-            raise TypeError(f"placements must be Shard/Replicate/Partial objects, got {p!r}")
         if p.is_shard() and ndim is not None:
             d = p.dim
             if not -ndim <= d < max(ndim, 1) or ndim == 0:

@@ -9,7 +9,7 @@ from typing import Callable, Sequence
 from . import _caches
 from ._local_map import local_map
 from .ops._registry import overloads_of, set_rule
-from .placements import Placement
+from .placements import Placement, torch_placements_to_ours
 from .spec import DTensorSpec
 
 __all__ = ["register_sharding", "local_map"]
@@ -55,6 +55,8 @@ def register_sharding(op):
 
 
 def _as_tuple(p):
+    # a rule written for torch may answer with torch's own placements: taken by value
+    p = torch_placements_to_ours(p)
     if isinstance(p, Placement) or p is None:
         return (p,)
     return tuple(p)
@@ -64,7 +66,7 @@ def _align_inputs(call, in_placements):
     """Map per-argument placements (one per schema argument, in schema order: positional
     arguments, then keyword-only ones such as ``out=``, as torch's rules list them) onto the
     DTensor inputs in the dispatcher's flattened order (positional args, then kwargs as given)."""
-    per_arg = list(in_placements)
+    per_arg = list(torch_placements_to_ours(in_placements))
     index = {a.name: i for i, a in enumerate(call.op._schema.arguments)}
     given = [(k, arg) for k, arg in enumerate(call.args)]
     given += [(index.get(name, len(per_arg)), arg) for name, arg in call.kwargs.items()]

@@ -4,9 +4,10 @@ Parameters become ``Shard(0)`` DTensors; forward/backward hooks all-gather them 
 unsharded tensors around each module's compute and reduce-scatter the gradients back into the
 DTensor ``.grad``. Public names mirror ``torch.distributed.fsdp``. See docs/fsdp.md.
 """
-from .api import (DataParallelMeshDims, FSDPModule, UnshardHandle, fully_shard, register_fsdp_forward_method,
-                  share_comm_ctx)
+from .api import (DataParallelMeshDims, FSDPModule, GradientReductionHandle, UnshardHandle,
+                  fully_shard, register_fsdp_forward_method, share_comm_ctx)
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-__all__ = ["fully_shard", "DataParallelMeshDims", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy", "OffloadPolicy",
-           "CPUOffloadPolicy", "register_fsdp_forward_method", "share_comm_ctx"]
+__all__ = ["fully_shard", "DataParallelMeshDims", "FSDPModule", "UnshardHandle",
+           "GradientReductionHandle", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
+           "register_fsdp_forward_method", "share_comm_ctx"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from dataclasses import replace
 from typing import Callable, Iterable
 
 import torch
@@ -21,6 +22,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from dtensor_lite import DTensor, DeviceMesh, Shard, init_device_mesh
+from dtensor_lite.placements import torch_placements_to_ours
 
 from . import hooks
 from .dp_mesh_dims import (DataParallelMeshDims, data_parallel_mesh, non_dp_mesh,
@@ -32,8 +34,9 @@ from .param_group import ParamGroup, ShardState
 from .policies import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from .state import FSDPState, all_states
 
-__all__ = ["fully_shard", "DataParallelMeshDims", "FSDPModule", "UnshardHandle", "MixedPrecisionPolicy",
-           "OffloadPolicy", "CPUOffloadPolicy", "register_fsdp_forward_method", "share_comm_ctx"]
+__all__ = ["fully_shard", "DataParallelMeshDims", "FSDPModule", "UnshardHandle",
+           "GradientReductionHandle", "MixedPrecisionPolicy", "OffloadPolicy", "CPUOffloadPolicy",
+           "register_fsdp_forward_method", "share_comm_ctx"]
 
 
 def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None = None,
@@ -105,15 +108,22 @@ def fully_shard(module: nn.Module | list[nn.Module], *, mesh: DeviceMesh | None 
     tp_meshes = {p.device_mesh for p, _ in managed if isinstance(p, DTensor)}
     # plain parameters of a TP'd group join its TP mesh as Replicate (see FSDPParam)
     replicate_over = next(iter(tp_meshes)) if len(tp_meshes) == 1 else None
+    # param_dtype_override_fn is asked once per parameter, now (as torch), with the parameter the
+    # user's modules held -- before anything is sharded, so a refused answer changes nothing
+    resolved = {id(param): mp_policy._resolve_for_param(users.get(id(param), param))
+                for param, _ in managed}
+    mp_policy = replace(mp_policy, param_dtype_override_fn=None)  # what groups and states keep
     fsdp_params = []
     for param, owners in managed:
         where = _where(owners)
         _check_param(param, where, mesh, device)
         dim = _shard_dim(param, where, shard_placement_fn)
         user_param = users.get(id(param), param)  # what the user's modules held
-        fsdp_params.append(FSDPParam(param, owners, info, dim, device, offload,
-                                     getattr(offload_policy, "pin_memory", False),
-                                     replicate_over, original=user_param))
+        fsdp_param = FSDPParam(param, owners, info, dim, device, offload,
+                               getattr(offload_policy, "pin_memory", False),
+                               replicate_over, original=user_param)
+        fsdp_param.mp_policy = resolved[id(param)]
+        fsdp_params.append(fsdp_param)
         mark_replaced(user_param, qualified.get(id(param), where))
     group = None
     if fsdp_params:
@@ -201,6 +211,41 @@ class UnshardHandle:
         self._group = None
 
 
+class GradientReductionHandle:
+    """Returned by ``FSDPModule.finalize_backward(async_op=True)``: ``wait()`` finishes the
+    gradient reductions still in flight (gradients are in ``.grad`` after it) and ends the
+    backward iteration. Call it before reading gradients or the next forward.
+
+    Example::
+
+        >>> handle = model.finalize_backward(async_op=True)
+        >>> other_work()
+        >>> handle.wait(); opt.step()
+    """
+
+    def wait(self) -> None:
+        """Wait for the gradient reduction. Raises ``RuntimeError`` if ``reset_iter_state``
+        invalidated this handle. A second call does nothing."""
+        return
+
+
+class _GradientReductionHandleImpl(GradientReductionHandle):
+    def __init__(self, ctx, token):
+        self._ctx, self._token = ctx, token
+
+    def wait(self) -> None:
+        ctx, token = self._ctx, self._token
+        if ctx is None:
+            return
+        if ctx.reduction_token is not token:
+            raise RuntimeError("This gradient reduction handle was invalidated "
+                               "(reset_iter_state ran after finalize_backward(async_op=True)); "
+                               "its gradients were dropped")
+        ctx.end_backward_iteration()
+        ctx.reduction_token = None
+        self._ctx = self._token = None
+
+
 class FSDPModule:
     """Mixin of every module that ``fully_shard`` was applied to (``isinstance(m, FSDPModule)``)."""
 
@@ -281,6 +326,76 @@ class FSDPModule:
                                f"({type(state.ctx.root.modules[0]).__name__}), not on "
                                f"{type(self).__name__}")
         state.ctx.reset_iteration()
+
+    def set_keep_unsharded_storage(self, keep: bool, *, recurse: bool = True) -> None:
+        """``True``: resharding keeps the unsharded parameters' storage instead of freeing it,
+        so every all-gather refills the same memory (stable data pointers, e.g. for CUDA graph
+        capture), at the cost of holding the unsharded parameters all the time. ``recurse``:
+        also for the FSDP modules under this one. ``model.set_keep_unsharded_storage(True)``"""
+        _require_bool("set_keep_unsharded_storage", keep)
+        for g in self._groups(recurse):
+            for p in g.params:
+                p.keep_unsharded_storage = keep
+
+    def set_manual_backward_finalization(self, enabled: bool) -> None:
+        """``True``: backward no longer finishes FSDP's work at its end; the caller does, with
+        :meth:`finalize_backward`, after all the backward passes of one step (this supersedes
+        :meth:`set_is_last_backward`). Reductions of groups whose gradients are complete may
+        still be issued during backward; the rest, and the wait for the last one, happen in
+        ``finalize_backward``. Call it on the root, before the backward; the mode cannot change
+        during a backward or between a backward and its finalization::
+
+            >>> model.set_manual_backward_finalization(True)
+            >>> model.set_requires_gradient_sync(False)
+            >>> for mb in micro_batches:
+            ...     loss_fn(model(mb)).backward()      # no communication
+            >>> model.set_requires_gradient_sync(True)
+            >>> model.finalize_backward()              # one reduce-scatter per group, here
+        """
+        _require_bool("set_manual_backward_finalization", enabled)
+        state = self._get_fsdp_state()
+        if state.is_root is False:
+            raise RuntimeError(f"set_manual_backward_finalization must be called on the root "
+                               f"FSDP module ({type(state.ctx.root.modules[0]).__name__}), not "
+                               f"on {type(self).__name__}")
+        ctx = state.ctx
+        if ctx is not None and enabled != state.manual_backward_finalization and ctx.in_backward:
+            raise RuntimeError("set_manual_backward_finalization cannot change mode during "
+                               "backward")
+        if ctx is not None and ctx.manual_active is not None and enabled != ctx.manual_active:
+            raise RuntimeError(
+                "set_manual_backward_finalization cannot change mode after backward starts; "
+                "call it after finalize_backward() (or the last backward of the step)")
+        state.manual_backward_finalization = enabled
+
+    def finalize_backward(self, *, async_op: bool = False) -> GradientReductionHandle | None:
+        """Finish the backward of one step under manual finalization (see
+        :meth:`set_manual_backward_finalization`): reduce the gradients still unreduced (those
+        of ``set_requires_gradient_sync(False)`` backward passes too, if sync is back on), wait
+        for the reductions (gradients in ``.grad``), reshard per ``reshard_after_backward``.
+        Call it on the root after the step's last backward and before reading gradients. A
+        no-op before the first forward.
+
+        ``async_op=True``: return a :class:`GradientReductionHandle` without waiting for the
+        last reduction; call its ``wait()`` before using the gradients or the next forward.
+
+        Example::
+
+            >>> loss.backward()
+            >>> model.finalize_backward()
+            >>> opt.step()
+        """
+        state = self._get_fsdp_state()
+        ctx = state.ctx
+        if ctx is None:  # never ran forward: nothing to finalize
+            return _GradientReductionHandleImpl(None, None) if async_op else None
+        _check_finalize(state, type(self).__name__)
+        ctx.finalize_backward()
+        if not async_op:
+            ctx.end_backward_iteration()
+            return None
+        ctx.reduction_token = object()
+        return _GradientReductionHandleImpl(ctx, ctx.reduction_token)
 
     def set_requires_gradient_sync(self, requires_gradient_sync: bool, *, recurse: bool = True):
         """``False``: backward accumulates unsharded gradients without communication (gradient
@@ -438,6 +553,36 @@ class FSDPModule:
 
 
 # ===================================================================== helpers
+def _check_finalize(state: FSDPState, name: str) -> None:
+    """finalize_backward's preconditions, as torch's (same on every rank: settings only)."""
+    ctx = state.ctx
+    if ctx.reduction_token is not None:
+        raise RuntimeError("The previous gradient reduction must be waited on before finalizing "
+                           "backward again: call wait() on the handle of "
+                           "finalize_backward(async_op=True)")
+    if ctx.root is not state:
+        raise RuntimeError(f"finalize_backward must be called on the root FSDP module "
+                           f"({type(ctx.root.modules[0]).__name__}), not on {name}")
+    manual = ctx.manual_active if ctx.manual_active is not None \
+        else state.manual_backward_finalization
+    if not manual:
+        raise RuntimeError("FSDP finalize_backward requires manual backward finalization. Call "
+                           "set_manual_backward_finalization(True) before forward")
+    if ctx.in_backward:
+        raise RuntimeError("FSDP finalize_backward must be called after backward completes")
+    for g in ctx.groups:
+        if g.partial_reduce:
+            raise RuntimeError(
+                f"FSDP manual backward finalization does not support partial gradient reductions "
+                f"(set_requires_all_reduce(False) kept HSDP sums for {g.name}); use automatic "
+                "backward finalization for this configuration")
+        if g.post_backward_pending and g.reduce_grads and not g.all_reduce_grads and \
+                g.mesh_info.replicate_dim is not None:
+            raise RuntimeError(f"FSDP manual backward finalization requires all-reduce for "
+                               f"{g.name}. Call set_requires_all_reduce(True) before "
+                               "finalization")
+
+
 def _require_bool(method: str, value) -> None:
     if not isinstance(value, bool):
         raise TypeError(f"{method} takes a bool, got {value!r}")
@@ -618,6 +763,7 @@ def _shard_dim(param, where, fn) -> int:
     placement = fn(param) if fn is not None else None
     if placement is None:
         return 0
+    placement = torch_placements_to_ours(placement)  # torch's Shard(d) is taken by value
     if type(placement) is not Shard:
         raise TypeError(f"shard_placement_fn must return Shard(dim) or None, got {placement!r} "
                         f"for parameter {where}")

@@ -131,6 +131,12 @@ def pre_forward(state: FSDPState, module: nn.Module, args, kwargs):
     if state.ctx is None:
         state.init_as_root()
     ctx = state.ctx
+    if ctx.reduction_token is not None:
+        # finalize_backward(async_op=True) left reductions in flight that write .grad
+        raise RuntimeError(
+            f"FSDP forward of {type(module).__name__}: the previous gradient reduction must be "
+            "waited on before forward: call wait() on the handle finalize_backward(async_op=True) "
+            "returned")
     if id(module) in state.running or (state.is_root and ctx.in_backward):
         # this module's last forward, or the last backward, raised half-way: start afresh
         ctx.reset_iteration()

@@ -66,6 +66,8 @@ class FSDPParam:
             meta = TensorMeta(param.shape, contiguous_stride(param.shape), param.dtype)
             self.tp_spec = DTensorSpec(replicate_over, (Replicate(),) * replicate_over.ndim, meta)
         self.layout: DTensorSpec | None = None     # the sharded parameter's spec (any dtype)
+        self.mp_policy = None                       # fully_shard's, resolved for this parameter
+        self.keep_unsharded_storage = False         # FSDPModule.set_keep_unsharded_storage
         self.sharded = self._shard(param)
         self._init_geometry()
         # the replaced plain parameter: another module that still refers to it (a weight tied
@@ -240,8 +242,10 @@ class FSDPParam:
                 t.untyped_storage().resize_(n)
 
     def free(self):
-        """Release the unsharded data (the tensor objects stay, with empty storage)."""
-        if self.raw is not None:
+        """Release the unsharded data (the tensor objects stay, with empty storage) -- unless
+        told to keep it (``set_keep_unsharded_storage``): then the next all-gather refills the
+        same storage, at the same addresses (what a captured CUDA graph needs)."""
+        if self.raw is not None and not self.keep_unsharded_storage:
             self.raw.untyped_storage().resize_(0)
             for t in self.inner_tensors:
                 t.untyped_storage().resize_(0)

@@ -144,6 +144,9 @@ class ParamGroup:
         self.uses_pending = 0              # forward uses whose backward has not run yet
         self.forward_uses = 0              # forward uses with grad in this iteration's forward
         self.needs_reduce = False          # some use with grad ran since the last reduce
+        # gradients left unreduced by a backward (no-sync, or manual finalization): reduced by
+        # finalize_backward once sync is on
+        self.post_backward_pending = False
         self.grads: list[torch.Tensor | None] = [None] * len(self.trainable)
         self.prefetched_in_backward = False
         # HSDP with all_reduce_grads False: reduce-scatter outputs summed over backwards, not yet
@@ -153,6 +156,8 @@ class ParamGroup:
     # ================================================================= unshard
     @property
     def param_dtype(self):
+        """The group's default; a parameter's own (``param_dtype_override_fn``) is
+        ``p.mp_policy.param_dtype``."""
         return self.mp_policy.param_dtype
 
     def post_forward_n(self) -> int | None:
@@ -189,7 +194,7 @@ class ParamGroup:
             # on the side stream from here: the inputs (casts, host-to-device copies of offloaded
             # shards) are allocated there too, so nothing the copy-in reads is freed under it
             with self.streams.side("all_gather"):
-                inputs = [p.all_gather_inputs(self.param_dtype, module, self.mp_policy)
+                inputs = [p.all_gather_inputs(p.mp_policy.param_dtype, module, p.mp_policy)
                           for p in self.params]
                 layout = _Layout([[(numel, t.dtype) for t, numel in per_param]
                                   for per_param in inputs])
@@ -233,7 +238,7 @@ class ParamGroup:
                 self._post_forward_layout = pending.layout
                 self._post_forward_n_at_reshard = n
             for p, segments in zip(self.params, pending.layout.outputs(pending.out, pending.world)):
-                p.copy_out(segments, pending.world, self.param_dtype)
+                p.copy_out(segments, pending.world, p.mp_policy.param_dtype)
             # copied out; an extension's fsdp_post_all_gather may have kept views of it instead
             if pending.work is not None and not any(p.shares_storage(pending.out)
                                                     for p in self.params):
@@ -298,6 +303,7 @@ class ParamGroup:
         """Pack ``grads`` (from ``take_grads``) and issue the reduce-scatter(s); nothing keeps
         the gradients once packed."""
         self.needs_reduce = False
+        self.post_backward_pending = False
         if not self.trainable:
             return None
         info = self.mesh_info
@@ -307,7 +313,7 @@ class ParamGroup:
         for k, i in enumerate(self.trainable):
             p = self.params[i]
             dtype = reduce_dtype or (grads[k].dtype if grads[k] is not None
-                                     else p.all_gather_dtype(self.param_dtype))
+                                     else p.all_gather_dtype(p.mp_policy.param_dtype))
             buckets.setdefault(dtype, []).append(k)
         out_buckets = []
         with torch.no_grad(), self.streams.side("reduce_scatter"):

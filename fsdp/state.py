@@ -43,6 +43,7 @@ class FSDPState:
         self.to_run: set[int] = set()         # ids of this call's modules still to run this use
         self.running: set[int] = set()        # ids of this call's modules inside their forward
         self.in_method: set[int] = set()      # ... inside a registered forward method
+        self.manual_backward_finalization = False  # set_manual_backward_finalization (root's)
         _ALL_STATES.add(self)
 
     # ----------------------------------------------------------------- lazy init
@@ -55,6 +56,11 @@ class FSDPState:
                 if st is not None and id(st) not in seen:
                     seen.add(id(st))
                     states.append(st)
+        if any(st.manual_backward_finalization for st in states if st is not self):
+            raise RuntimeError(
+                "set_manual_backward_finalization must be called on the root FSDP module "
+                f"({type(self.modules[0]).__name__}, whose forward runs first), not on a module "
+                "under it")
         ctx = RootContext(self, states)
         for st in states:
             st.is_root = st is self
@@ -80,6 +86,11 @@ class RootContext:
         self.backward_ran = False  # a backward finished since the last forward (retain_graph)
         self.is_last_backward = True
         self.pending_reduce: PendingReduce | None = None
+        # manual backward finalization (torch 2.15): the mode the current backward iteration
+        # runs in, fixed when its first backward starts (None: no backward since the last
+        # finalization); an asynchronous finalize_backward's handle not yet waited on
+        self.manual_active: bool | None = None
+        self.reduction_token: object | None = None
 
     # ----------------------------------------------------------------- memory
     def memory_storages(self) -> dict[str, dict[int, int]]:
@@ -138,7 +149,10 @@ class RootContext:
         pending, self.pending_reduce = self.pending_reduce, None
         if pending is not None:
             pending.wait_and_discard()
+        self.manual_active = None
+        self.reduction_token = None  # an outstanding GradientReductionHandle is invalid now
         for g in self.groups:
+            g.post_backward_pending = False
             g.take_grads()
             g.partial_reduce.clear()  # as torch: gradients kept from set_requires_all_reduce(False)
             g.prefetched_in_backward = False
@@ -168,6 +182,8 @@ class RootContext:
         if self.in_backward:
             return
         self.in_backward = True
+        if self.manual_active is None:
+            self.manual_active = self.root.manual_backward_finalization
         if self.backward_ran:
             # another backward through the same forward (retain_graph=True): its gradients are
             # reduced and added to .grad like the first one's, so every use is pending again
@@ -185,6 +201,8 @@ class RootContext:
         input allocated. The unsharded gradients themselves die when the autograd node that
         delivered them returns, right after this."""
         reduce = group.reduce_grads and group.needs_reduce
+        if group.needs_reduce and not reduce:  # no-sync: a later backward or finalize reduces
+            group.post_backward_pending = True
         grads = group.take_grads() if reduce else None
         if group.reshard_after_backward:
             group.reshard()
@@ -200,13 +218,20 @@ class RootContext:
 
     def end_of_backward(self):
         """Queued once per backward: finish groups whose uses did not all get gradients (an
-        output that did not reach the loss), finish the last reduce-scatter, reshard."""
+        output that did not reach the loss), finish the last reduce-scatter, reshard.
+
+        Under manual finalization the user's ``finalize_backward`` does the finishing: such
+        groups are only marked, and the last reduce-scatter stays in flight."""
+        manual = bool(self.manual_active)
         for g in reversed(self.groups):
             if g.uses_pending > 0:
                 g.uses_pending = 0
-                self.finish_group(g)
-        if self.is_last_backward:
-            self.finish_pending_reduce()
+                if manual and g.reduce_grads:
+                    g.post_backward_pending = True
+                else:
+                    self.finish_group(g)
+        if self.is_last_backward and not manual:
+            self.end_backward_iteration()
         for g in self.groups[:1]:  # gradients were written on the reduce-scatter stream
             g.streams.join("reduce_scatter")
         for g in self.groups:
@@ -217,6 +242,31 @@ class RootContext:
         self.backward_ran = True
         if OBSERVERS:
             notify("end_of_backward", self.root)
+
+    # ----------------------------------------------------------------- manual finalization
+    def finalize_backward(self):
+        """``FSDPModule.finalize_backward``'s work: reduce what the backward passes left pending
+        (groups marked under manual finalization, gradients accumulated without sync whose sync
+        is back on), then reshard. The last reduction stays in flight: ``end_backward_iteration``
+        finishes it."""
+        for g in reversed(self.groups):
+            if g.post_backward_pending and g.reduce_grads:
+                g.post_backward_pending = False
+                grads = g.take_grads()
+                if g.reshard_after_backward and g.state is not ShardState.SHARDED:
+                    g.reshard()
+                self.finish_pending_reduce()  # one reduction in flight at a time
+                self.pending_reduce = g.start_reduce(grads)
+            elif g.reshard_after_backward and g.state is not ShardState.SHARDED:
+                g.reshard()
+
+    def end_backward_iteration(self):
+        """Finish the reduction in flight (gradients into ``.grad``): the iteration's backward
+        is over, and the next one may pick its finalization mode afresh."""
+        self.finish_pending_reduce()
+        for g in self.groups[:1]:  # gradients were written on the reduce-scatter stream
+            g.streams.join("reduce_scatter")
+        self.manual_active = None
 
 
 def _note(into: dict[int, int], *tensors):

@@ -1,7 +1,10 @@
 """The public surface of the installed PyTorch's DTensor, DeviceMesh, TP and FSDP modules, name by
 name, against ours: each public name exists here with a compatible signature, or it is listed
 below with the reason we do not provide it. Collected from the installed torch, so a torch that
-adds a name makes this fail until the name is provided or listed.
+adds a name makes this fail until the name is provided or listed -- and the same file passes on
+every supported release (2.13 and 2.15 have different surfaces): an entry for a name that only
+newer releases have also says since which one (``ADDED_IN``), so an older torch does not take it
+for a stale entry.
 
 Compatible signature: code that calls torch's with arguments that torch accepts calls ours the
 same way -- every parameter of torch's is accepted here under the same name (positional ones at
@@ -55,6 +58,22 @@ MEMBERS_NOT_PROVIDED = {
     ("FSDPModule", "set_separate_reduce_scatter_group"):
         "one process group per mesh dim here; reduce-scatters share it",
 }
+
+# list entry key -> the torch release that added the name, for entries about names that the
+# oldest supported release (2.13) lacks, e.g. {("FSDPModule", "some_2_15_method"): "2.15"}
+ADDED_IN: dict[tuple[str, str], str] = {}
+
+
+def _installed_release() -> tuple[int, int]:
+    major, minor = torch.__version__.split(".")[:2]
+    return int(major), int(minor)
+
+
+def _newer_than_installed(key) -> bool:
+    release = ADDED_IN.get(key)
+    return release is not None and \
+        tuple(int(x) for x in release.split(".")) > _installed_release()
+
 
 # members torch defines as class-level properties that ours sets per instance in __init__
 INSTANCE_ATTRIBUTES = {"DeviceMesh": {"device_type", "mesh", "mesh_dim_names", "ndim"}}
@@ -203,12 +222,26 @@ def test_public_class_member_is_provided(torch_module, ours_module, cls, member)
 def test_the_lists_name_only_what_torch_has():
     """A stale entry (torch dropped the name, or we now provide it) is removed from the lists."""
     for (torch_module, name), why in NOT_PROVIDED.items():
-        assert hasattr(importlib.import_module(torch_module), name), (torch_module, name)
         assert not hasattr(importlib.import_module(MODULES[torch_module]), name), (
             f"{name} is provided now: drop it from NOT_PROVIDED")
+        if _newer_than_installed((torch_module, name)):
+            continue  # a newer release's name: this torch cannot have it
+        assert hasattr(importlib.import_module(torch_module), name), (torch_module, name)
     members = {(c, m) for _, _, c, m in MEMBERS}
     for key in MEMBERS_NOT_PROVIDED:
-        assert key in members, key
+        assert key in members or _newer_than_installed(key), key
+
+
+def test_added_in_is_read_against_the_installed_release():
+    installed = "{}.{}".format(*_installed_release())
+    newer = "{}.{}".format(_installed_release()[0], _installed_release()[1] + 1)
+    ADDED_IN[("X", "old")], ADDED_IN[("X", "new")] = installed, newer
+    try:
+        assert not _newer_than_installed(("X", "old")) and _newer_than_installed(("X", "new"))
+        assert not _newer_than_installed(("X", "unlisted"))
+    finally:
+        del ADDED_IN[("X", "old")], ADDED_IN[("X", "new")]
+    assert all(key in NOT_PROVIDED or key in MEMBERS_NOT_PROVIDED for key in ADDED_IN)
 
 
 def test_the_signature_check_catches_what_breaks_a_call():

@@ -26,6 +26,7 @@ import torch
 
 from dtensor_lite import DeviceMesh, DTensor, Placement, Replicate, Shard
 from dtensor_lite.compile_support import boundary
+from dtensor_lite.placements import as_placement
 from dtensor_lite.gather_pieces import agreement_applies, gather_local_pieces, pieces_global_shape
 from dtensor_lite.debug_state import comm_cause
 
@@ -43,10 +44,13 @@ def one_layout(layout, what: str) -> Placement | None:
             raise ValueError(f"{what} must be one placement (tensor parallelism uses a 1-D mesh), "
                              f"got {layout!r}")
         layout = layout[0]
-    if layout is not None and not isinstance(layout, Placement):
+    if layout is None:
+        return None
+    try:  # torch's own placements (torch.distributed.tensor.Shard(-1)) are taken by value
+        return as_placement(layout, what)
+    except TypeError:
         raise ValueError(f"{what} must be a placement such as Shard(-1) or Replicate(), got "
-                         f"{layout!r}")
-    return layout
+                         f"{layout!r}") from None
 
 
 def _normalized(layout: Placement, ndim: int) -> Placement:

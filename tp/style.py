@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 
 from dtensor_lite import DeviceMesh, DTensor, Placement, Replicate, Shard, distribute_tensor
+from dtensor_lite.placements import as_placement
 
 from ._layouts import convert, local_piece, one_layout
 
@@ -221,10 +222,19 @@ def _layout_tuple(layouts, what: str):
         return None
     if not isinstance(layouts, (tuple, list)):
         layouts = (layouts,)
+    out = []
     for layout in layouts:
-        if layout is not None and not isinstance(layout, Placement):
-            raise ValueError(f"{what} entries must be placements or None, got {layout!r}")
-    return tuple(layouts)
+        try:  # torch's own placements are taken by value
+            out.append(None if layout is None else as_placement(layout, what))
+        except TypeError:
+            raise ValueError(f"{what} entries must be placements or None, got {layout!r}") from None
+    return tuple(out)
+
+
+def _layout_dict(layouts, what: str) -> dict:
+    """One placement (or None) per keyword; torch's own placements are taken by value."""
+    return {name: one_layout(layout, f"{what}[{name!r}]")
+            for name, layout in (layouts or {}).items()}
 
 
 def _check_pairs(layouts, desired, what: str):
@@ -258,8 +268,10 @@ class PrepareModuleInput(ParallelStyle):
         self.desired_input_layouts = _layout_tuple(desired_input_layouts,
                                                    "PrepareModuleInput desired_input_layouts")
         _check_pairs(self.input_layouts, self.desired_input_layouts, "PrepareModuleInput")
-        self.input_kwarg_layouts = dict(input_kwarg_layouts or {})
-        self.desired_input_kwarg_layouts = dict(desired_input_kwarg_layouts or {})
+        self.input_kwarg_layouts = _layout_dict(input_kwarg_layouts,
+                                                "PrepareModuleInput input_kwarg_layouts")
+        self.desired_input_kwarg_layouts = _layout_dict(
+            desired_input_kwarg_layouts, "PrepareModuleInput desired_input_kwarg_layouts")
         keys = list(self.input_kwarg_layouts)
         _check_pairs(tuple(self.input_kwarg_layouts.values()),
                      tuple(self.desired_input_kwarg_layouts.get(k) for k in keys),
