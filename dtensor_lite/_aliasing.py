@@ -26,8 +26,8 @@ from .spec import DTensorSpec, TensorMeta
 
 __all__ = ["COPIED_VIEWS", "check_not_copied_view", "mark_if_copied_view", "OutDecision",
            "functional_overload", "written_inputs", "rewrap_in_place", "INPLACE_VIEW",
-           "inplace_view_decision", "relayout_allowed", "relayout_blocker", "write_through",
-           "relayout_destination"]
+           "inplace_view_decision", "piece_lent", "relayout_allowed", "relayout_blocker",
+           "write_through", "relayout_destination"]
 
 INPLACE_VIEW = torch.Tag.inplace_view
 
@@ -213,11 +213,15 @@ def relayout_blocker(dt: DTensor):
     """
     if dt._is_view():
         return "it is a view of another DTensor"
-    local = dt._local_tensor
-    lent = getattr(dt, "_lent", None)  # unset until to_local() hands the piece out
-    if lent is not None and lent() is local:
+    if piece_lent(dt):
         return "its local piece was handed out by to_local() and may still be held"
-    return _shares_memory(local)
+    return _shares_memory(dt._local_tensor)
+
+
+def piece_lent(dt: DTensor) -> bool:
+    """Whether ``dt``'s current piece is the tensor object ``to_local()`` handed out."""
+    lent = getattr(dt, "_lent", None)  # unset until to_local() hands the piece out
+    return lent is not None and lent() is dt._local_tensor
 
 
 def write_through(op, args, kwargs, dt: DTensor, target: DTensorSpec, why: str):

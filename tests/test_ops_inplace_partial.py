@@ -322,3 +322,24 @@ def test_placements_do_not_depend_on_what_other_libraries_hold():
                 undo()
         held.clear()
     torch._dynamo.reset()
+
+
+@distributed(world_size=4)
+def test_ranks_outside_the_mesh_agree_on_the_destinations_placement():
+    # a mesh over ranks 0 and 1: ranks 2 and 3 hold empty pieces and run no kernel, yet must
+    # record the placement the members chose -- written through (kept) for a piece to_local()
+    # handed out, reduced for a piece of its own
+    mesh = init_device_mesh("cpu", (2,))
+    x = DTensor.from_local(torch.rand(4, 6) + 0.1, mesh, [P])
+    seen = []
+    for lend in (True, False):
+        y = x * 1.0
+        if lend:
+            with torch.no_grad():
+                y.to_local()
+        y.sqrt_()
+        seen.append(tuple(y.placements))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, seen)
+    assert all(s == everyone[0] for s in everyone), everyone
+    assert seen[0] == (P,) and not seen[1][0].is_partial(), seen
