@@ -41,7 +41,7 @@ class DTensor(torch.Tensor):
     # _pending: a collective still in flight (redistribute(async_op=True)); _local_tensor stays
     # unset until first use, when __getattr__ waits for it
     # _lent: a weakref to the local piece that to_local() last handed out as itself (under
-    # no_grad); unset until then. Read only by _aliasing.relayout_blocker.
+    # no_grad); unset until then. Read only by _aliasing.piece_lent.
     __slots__ = ("_local_tensor", "_spec", "_pending", "_lent")
 
     # Every decision is made in __torch_dispatch__; ``_fast_path`` replaces this with a shortcut
