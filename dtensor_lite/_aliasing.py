@@ -10,7 +10,6 @@ where other tensors alias it.
 """
 from __future__ import annotations
 
-import sys
 import weakref
 
 import torch
@@ -28,8 +27,8 @@ from .spec import DTensorSpec, TensorMeta
 
 __all__ = ["COPIED_VIEWS", "check_not_copied_view", "mark_if_copied_view", "OutDecision",
            "functional_overload", "written_inputs", "rewrap_in_place", "INPLACE_VIEW",
-           "inplace_view_decision", "relayout_allowed", "relayout_blocker", "write_through",
-           "relayout_destination"]
+           "inplace_view_decision", "piece_lent", "relayout_allowed", "relayout_blocker",
+           "write_through", "relayout_destination"]
 
 INPLACE_VIEW = torch.Tag.inplace_view
 
@@ -197,12 +196,35 @@ def relayout_allowed(spec: DTensorSpec, target: DTensorSpec, out_placements) -> 
 
 
 def relayout_blocker(dt: DTensor):
-    """Per call, before anything moves: None if ``dt``'s piece is its own, else why not. This
-    reads this rank's memory; an SPMD program takes the same views and aliases on every rank, so
-    every rank answers alike."""
+    """Per call, before anything moves: None if ``dt``'s piece is its own, else why not.
+
+    Decided from what this library itself did to ``dt`` and its memory, never from reference
+    counts: a Python reference count also counts whoever merely *looks* at the piece -- a
+    debugger's or tracer's frame locals, a profiler's hooks, an interpreter that does or does not
+    borrow an argument, what a failed torch.compile left behind -- so reading it let another
+    library flip this decision (torch 2.15: 11 in-place-on-Partial results stayed Partial after a
+    failed compile in the same process), and only on the rank where that library ran, leaving
+    the ranks with different placements. Three facts instead, each the same on every rank of an
+    SPMD program that takes the same views and makes the same calls:
+
+    * ``dt`` is a view of another DTensor (the wrapper's own view tracking);
+    * its piece is the very tensor object ``to_local()`` handed out (``_lent``). The caller may
+      still hold it, and nothing short of a reference count could tell that it let go: such a
+      piece is written through for as long as it is ``dt``'s (the safe path: the same values, the
+      placement kept), until ``dt`` gets another piece;
+    * another tensor shares the piece's memory (``_shares_memory``).
+    """
     if dt._is_view():
         return "it is a view of another DTensor"
-    return _piece_aliases(dt._local_tensor)
+    if piece_lent(dt):
+        return "its local piece was handed out by to_local() and may still be held"
+    return _shares_memory(dt._local_tensor)
+
+
+def piece_lent(dt: DTensor) -> bool:
+    """Whether ``dt``'s current piece is the tensor object ``to_local()`` handed out."""
+    lent = getattr(dt, "_lent", None)  # unset until to_local() hands the piece out
+    return lent is not None and lent() is dt._local_tensor
 
 
 def write_through(op, args, kwargs, dt: DTensor, target: DTensorSpec, why: str):
@@ -231,27 +253,29 @@ def write_through(op, args, kwargs, dt: DTensor, target: DTensorSpec, why: str):
     return dt.copy_(result)
 
 
-def _piece_aliases(local: torch.Tensor):
-    """None if no other tensor shares ``local``'s memory, else why not. Counts the holders of
-    its storage: ``local`` itself, the storage object asked for here, the base ``local`` is a view
-    of, and private aliases that a finished collective's backend has not yet let go of
-    (``_inflight``). Python references to ``local`` itself count too (``to_local()`` under
-    no_grad returns it)."""
-    if sys.getrefcount(local) > _OWN_LOCAL_REFS:
-        return "its local piece is referenced elsewhere (e.g. a to_local() result)"
+def _shares_memory(local: torch.Tensor):
+    """None if no other tensor is over ``local``'s memory, else why not.
+
+    Counts the holders of its storage (``torch._C._storage_Use_Count``): one per tensor whose
+    memory this is, plus storage objects. Expected: ``local`` itself, the storage object asked for
+    here, the base ``local`` is a view of, and private aliases that a finished collective's
+    backend has not yet let go of (``_inflight``). The base a piece was viewed from (a temporary,
+    from_local's argument, the piece of the DTensor it was redistributed from) is not counted as
+    an alias: writes into it never show through this DTensor's spec, as in plain torch a
+    redistribute's result is no view of its input.
+
+    Why this count may stay where a reference count may not: nothing raises it but another tensor
+    (or storage object) over these very bytes -- a view, an alias, a tensor that can read and
+    write them -- so whatever raises it, a library's included, is an alias the write must reach,
+    and it only ever sends the op down the safe path (write through: the same values, the
+    placement kept). Merely holding, inspecting or tracing ``local`` or ``dt`` leaves it as it
+    is. A view made by the program is made on every rank alike.
+    """
     storage = local.untyped_storage()
-    # the base a piece was viewed from (a temporary, from_local's argument, the piece of the
-    # DTensor it was redistributed from) is not one: writes into it never show through this
-    # DTensor's spec, as in plain torch a redistribute's result is no view of its input
     expected = 2 + (local._base is not None) + _inflight.aliases_of(storage)
     if torch._C._storage_Use_Count(storage._cdata) > expected:
         return "another tensor shares its memory (a view of it, or an alias of its local piece)"
     return None
-
-
-# references to a DTensor's local tensor while _piece_aliases runs: the DTensor's slot,
-# _piece_aliases' argument, getrefcount's argument (fewer where an interpreter borrows)
-_OWN_LOCAL_REFS = 3
 
 
 def relayout_destination(dt: DTensor, local: torch.Tensor, target: DTensorSpec) -> None:

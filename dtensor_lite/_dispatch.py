@@ -435,12 +435,13 @@ class _OutsideMeshDecision:
     def run(self, args, kwargs, dts, validate=False):
         d = self.inner
         if d.mutated is not None:
-            if d.relayout and not dts[d.mutated]._is_view():
-                # members moved the destination (a view they write through, see _aliasing):
-                # its spec here must agree. A member whose piece merely has live views writes
-                # through as well, which this rank's empty piece cannot tell: then only the spec
-                # here says reduced (this rank holds no data and joins none of the mesh's
-                # collectives)
+            if d.relayout and not dts[d.mutated]._is_view() and \
+                    not _aliasing.piece_lent(dts[d.mutated]):
+                # members moved the destination (a view, or a piece to_local() handed out, they
+                # write through, see _aliasing): its spec here must agree. A member whose piece
+                # merely has live views writes through as well, which this rank's empty piece
+                # cannot tell: then only the spec here says reduced (this rank holds no data and
+                # joins none of the mesh's collectives)
                 dts[d.mutated]._spec = d.targets[d.mutated]
             return dts[d.mutated]
         if d.out_kind == "tensor":

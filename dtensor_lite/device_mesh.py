@@ -9,6 +9,7 @@ destroy raise a clear error instead of hanging on a dead group).
 from __future__ import annotations
 
 import math
+import types
 from typing import Sequence
 
 import torch
@@ -128,6 +129,19 @@ def _require_initialized(what: str):
             f"{what} needs torch.distributed to be initialised: call "
             "torch.distributed.init_process_group('gloo') (CPU) or ('nccl') (CUDA) first, "
             "or launch with torchrun.")
+
+
+class _MeshScopeMethod:
+    """A method of DeviceMesh's context-manager protocol held as a descriptor, not a plain
+    function, so Dynamo does not take the mesh for a generic context manager (see
+    ``DeviceMesh.__class__``). ``with`` binds it through ``__get__`` as it would a function."""
+
+    def __init__(self, fn):
+        self._fn = fn
+        self.__doc__ = fn.__doc__
+
+    def __get__(self, mesh, owner=None):
+        return self if mesh is None else types.MethodType(self._fn, mesh)
 
 
 class DeviceMesh:
@@ -551,15 +565,19 @@ class DeviceMesh:
         return torch_mesh
 
     # ------------------------------------------------------ what torch's own code asks of a mesh
-    def __enter__(self) -> "DeviceMesh":
+    def _enter(self) -> "DeviceMesh":
         """``with mesh:`` (torch's): inside, calls given no ``device_mesh`` use this mesh
         (``distribute_tensor``, ``DTensor.from_local``, the factories, ``distribute_module``,
         ``parallelize_module``). Nests; the innermost wins."""
         _CURRENT_MESHES.append(self)
         return self
 
-    def __exit__(self, *exc) -> None:
+    def _exit(self, *exc) -> None:
         _CURRENT_MESHES.pop()
+
+    # ``with mesh:`` through descriptors rather than plain functions: see ``__class__`` below
+    __enter__ = _MeshScopeMethod(_enter)
+    __exit__ = _MeshScopeMethod(_exit)
 
     @property
     def __class__(self):
@@ -570,6 +588,28 @@ class DeviceMesh:
         # mechanism unittest.mock's spec objects use), so reporting torch's class there makes
         # this mesh pass those checks while ``type(mesh)`` -- and every method -- stays ours;
         # what funcol then reads of it is ``ndim``, ``get_group`` and ``_dim_group_names``.
+        #
+        # Under torch.compile that answer must not reach Dynamo, which wraps an object as a
+        # "generic context manager" when its class's ``__enter__``/``__exit__`` are plain Python
+        # functions, takes that variable's type from ``obj.__class__`` and asserts it is
+        # ``type(obj)`` (torch 2.15: "Expected type <...torch...DeviceMesh>, got <...our
+        # DeviceMesh>"). Dynamo wraps any other object as a plain user-defined object keyed by
+        # ``type(obj)`` -- the mesh's own class, whose methods are ours -- and documents that
+        # a class whose ``__enter__``/``__exit__`` are not plain functions (C slots,
+        # descriptors) takes that route and graph-breaks on ``with`` instead. So ``__enter__``
+        # and ``__exit__`` are descriptors (``_MeshScopeMethod``): ``with mesh:`` is unchanged
+        # in eager, and inside a compiled function it runs eagerly at a graph break, as it
+        # already did on torch 2.13.
+        #
+        # Why not the alternatives: a real subclass of torch's DeviceMesh would inherit every
+        # torch method and property our class does not override (each reading torch-private
+        # state that this mesh does not have, and which changes per release: ``mesh``,
+        # ``shape`` are read-only properties there), and torch 2.15 registers its DeviceMesh,
+        # subclasses included, as an opaque object for torch.compile whose guards read those
+        # private fields (``_layout``, ``_flatten_rank_map``) -- and only once
+        # torch.distributed.tensor has been imported, so how Dynamo treated our mesh would
+        # depend on another library's imports. Dynamo has no public registration for "treat
+        # this class as a plain object of type X".
         return _TorchDeviceMesh
 
     @property

@@ -8,6 +8,8 @@ transpose of the forward (the gradient of Shard->Replicate comes back as Partial
 """
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.distributed as dist
 
@@ -38,7 +40,9 @@ class DTensor(torch.Tensor):
     _spec: DTensorSpec
     # _pending: a collective still in flight (redistribute(async_op=True)); _local_tensor stays
     # unset until first use, when __getattr__ waits for it
-    __slots__ = ("_local_tensor", "_spec", "_pending")
+    # _lent: a weakref to the local piece that to_local() last handed out as itself (under
+    # no_grad); unset until then. Read only by _aliasing.piece_lent.
+    __slots__ = ("_local_tensor", "_spec", "_pending", "_lent")
 
     # Every decision is made in __torch_dispatch__; ``_fast_path`` replaces this with a shortcut
     # that replays already-decided calls needing nothing from autograd (use_torch_function).
@@ -210,7 +214,12 @@ class DTensor(torch.Tensor):
         """This rank's piece. ``grad_placements`` says how the local gradient is laid out
         (default: as this DTensor is)."""
         if not torch.is_grad_enabled():
-            return self._local_tensor
+            local = self._local_tensor
+            # the caller now holds the piece itself, which no count tells apart from our own
+            # reference without reading reference counts: recorded, so that an in-place op
+            # writes through it rather than move this DTensor off it (_aliasing)
+            self._lent = weakref.ref(local)
+            return local
         return _ToLocal.apply(self, grad_placements)
 
     @boundary

@@ -70,6 +70,39 @@ def test_tp_mlp_compiles_fullgraph_with_functional_collectives():
     assert "_c10d_functional.all_reduce" in backward and "wait_tensor" in backward
 
 
+@distributed(world_size=2)
+def test_our_mesh_inside_compiled_code_keeps_its_own_class():
+    """Dynamo wraps our mesh by ``type(mesh)`` (ours), not by the ``__class__`` it reports for
+    torch's functional collectives: it crosses into compiled code as a closure (from_local),
+    ``with mesh:`` there runs (eagerly, at a graph break) and funcol still takes it."""
+    import torch.distributed._functional_collectives as funcol
+    from torch.distributed.device_mesh import DeviceMesh as TorchDeviceMesh
+
+    from dtensor_lite import DTensor, Replicate, init_device_mesh
+    from dtensor_lite.device_mesh import current_mesh
+    torch._dynamo.reset()
+    mesh = init_device_mesh("cpu", (2,))
+    assert isinstance(mesh, TorchDeviceMesh) and type(mesh).__module__ == "dtensor_lite.device_mesh"
+    placements = [Replicate()]
+
+    def from_local(x):
+        return (DTensor.from_local(x, mesh, placements) * 2).to_local()
+
+    def scoped(x):
+        with mesh:
+            inside = current_mesh() is mesh
+        return x + (1 if inside else 100)
+
+    x = torch.ones(3)
+    torch.testing.assert_close(torch.compile(from_local, backend="aot_eager", fullgraph=True)(x),
+                               x * 2)
+    torch.testing.assert_close(torch.compile(scoped, backend="aot_eager")(x), x + 1)
+    assert current_mesh() is None
+    with mesh as entered:  # eager, unchanged
+        assert entered is mesh and current_mesh() is mesh
+    torch.testing.assert_close(funcol.all_reduce(x, "sum", group=mesh).wait(), x * 2)
+
+
 TINY = LlamaConfig(vocab_size=256, dim=32, n_layers=2, n_heads=4, ffn_dim=48, max_seq_len=16)
 
 

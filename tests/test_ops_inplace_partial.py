@@ -146,11 +146,19 @@ def test_shared_destination_is_written_through_at_its_placement():
         x.clamp_(max=2.0)
         assert x.placements == tuple(pl) and x._local_tensor is piece  # written where it is
         torch.testing.assert_close(x.full_tensor(), before.sqrt().exp().clamp(max=2.0))
+        piece_id = id(piece)  # not a reference: the caller lets go of it below
         del piece
         gc.collect()  # the view may sit in a reference cycle (e.g. of a caught error)
-        x.sqrt_()  # nothing aliases it any more: the DTensor itself is reduced
-        assert not any(p.is_partial() for p in x.placements), x.placements
+        # a piece to_local() handed out stays handed out: only a reference count could tell
+        # that the caller let go, and reference counts are not ours to read (_aliasing)
+        x.sqrt_()
+        assert x.placements == tuple(pl) and id(x._local_tensor) == piece_id, x.placements
         torch.testing.assert_close(x.full_tensor(), before.sqrt().exp().clamp(max=2.0).sqrt())
+        x = x * 1.0  # a piece of its own that nothing aliases: the DTensor itself is reduced
+        x.sqrt_()
+        assert not any(p.is_partial() for p in x.placements), x.placements
+        torch.testing.assert_close(x.full_tensor(),
+                                   before.sqrt().exp().clamp(max=2.0).sqrt().sqrt())
 
 
 @distributed(world_size=4)
@@ -207,3 +215,131 @@ def test_cosine_embedding_loss_forward_backward():
             got.backward()
             torch.testing.assert_close(da.grad.full_tensor(), pa.grad)
             torch.testing.assert_close(db.grad.full_tensor(), pb.grad)
+
+
+def _failed_compiles(x):
+    """Compiles over ``x`` that fail in three ways (a graph break under fullgraph, a backend
+    that raises, an error while Dynamo traces); their exceptions are returned, so that whatever
+    they hold stays alive."""
+    def breaks(t):
+        torch._dynamo.graph_break()
+        return t.sqrt_()
+
+    def backend(gm, example_inputs):
+        raise RuntimeError("this backend always fails")
+
+    def raises(t):
+        raise ValueError("the traced function itself fails")
+
+    errors = []
+    for fn, kw in ((breaks, {"fullgraph": True, "backend": "eager"}), (lambda t: t.exp_(),
+                   {"backend": backend}), (raises, {"backend": "eager"})):
+        torch._dynamo.reset()
+        try:
+            torch.compile(fn, **kw)(x)
+        except Exception as e:  # noqa: BLE001 -- failing is the point
+            errors.append(e)
+    assert len(errors) == 3, errors
+    return errors
+
+
+class _FrameLocalsReader:
+    """What a debugger does: read every frame's locals (which keeps references to them)."""
+
+    def __init__(self):
+        self.seen = []
+
+    def __call__(self, frame, event, arg):
+        if len(self.seen) < 100_000:
+            self.seen.append(frame.f_locals)
+        return self
+
+
+@distributed(world_size=4)
+def test_placements_do_not_depend_on_what_other_libraries_hold():
+    """Whether an in-place op reduces its Partial destination or writes through it is decided
+    from what this library did (views, to_local), never from reference counts: a failed
+    torch.compile in the same process, extra references to the DTensor and its piece, a profiler
+    running or a debugger reading frame locals change neither a placement nor a value."""
+    import sys
+
+    mesh = init_device_mesh("cpu", (2, 2))
+    pl = [Shard(0), P]
+    held, reduced, holding = [], {}, []
+
+    def nothing():
+        return None
+
+    def failed_compile():
+        held.extend(_failed_compiles(_partial(mesh, pl)))
+
+    def references():
+        holding.append(True)
+        return holding.clear
+
+    def profiler():
+        prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU])
+        prof.__enter__()
+        return lambda: prof.__exit__(None, None, None)
+
+    def debugger():
+        reader = _FrameLocalsReader()
+        sys.settrace(reader)
+        held.append(reader)
+        return lambda: sys.settrace(None)
+
+    setups = {"nothing": nothing, "a failed torch.compile": failed_compile,
+              "extra references": references, "a profiler": profiler, "a debugger": debugger}
+    for what, setup in setups.items():
+        undo = setup()
+        try:
+            for name, fn in NONLINEAR.items():
+                x = _partial(mesh, pl)
+                other = _replicate(x)
+                want = fn(x.full_tensor(), other.full_tensor())
+                if holding:  # what a library keeps of a tensor it saw: held, not aliased
+                    held.extend([x, x._local_tensor, x._spec] * 3)
+                assert fn(x, other) is x
+                assert not any(p.is_partial() for p in x.placements), (what, name, x.placements)
+                # whatever else runs, the placement the rule chose without it
+                assert reduced.setdefault(name, x.placements) == x.placements, (what, name)
+                torch.testing.assert_close(x.full_tensor(), want, msg=f"{what}: {name}")
+            x = _partial(mesh, pl)
+            if holding:
+                held.extend([x, x._local_tensor] * 3)
+            v = x.t()  # an alias: written through, still Partial, whatever else holds x
+            want = x.full_tensor().sqrt()
+            x.sqrt_()
+            assert x.placements == tuple(pl), (what, x.placements)
+            torch.testing.assert_close(v.full_tensor(), want.t(), msg=what)
+            y = _partial(mesh, pl)
+            want = y.full_tensor() * -2
+            y.mul_(-2.0)  # linear: stays Partial, nothing moves
+            assert y.placements == tuple(pl), (what, y.placements)
+            torch.testing.assert_close(y.full_tensor(), want, msg=what)
+        finally:
+            if undo is not None:
+                undo()
+        held.clear()
+    torch._dynamo.reset()
+
+
+@distributed(world_size=4)
+def test_ranks_outside_the_mesh_agree_on_the_destinations_placement():
+    # a mesh over ranks 0 and 1: ranks 2 and 3 hold empty pieces and run no kernel, yet must
+    # record the placement the members chose -- written through (kept) for a piece to_local()
+    # handed out, reduced for a piece of its own
+    mesh = init_device_mesh("cpu", (2,))
+    x = DTensor.from_local(torch.rand(4, 6) + 0.1, mesh, [P])
+    seen = []
+    for lend in (True, False):
+        y = x * 1.0
+        if lend:
+            with torch.no_grad():
+                y.to_local()
+        y.sqrt_()
+        seen.append(tuple(y.placements))
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, seen)
+    assert all(s == everyone[0] for s in everyone), everyone
+    assert seen[0] == (P,) and not seen[1][0].is_partial(), seen
