@@ -13,10 +13,10 @@ from __future__ import annotations
 import weakref
 
 import torch
-from torch.utils._mode_utils import no_dispatch
 
 from . import _inflight, debug, debug_state
-from ._torch_names import aten, find_op
+from . import _torch_names as N
+from ._torch_names import aten, find_op, no_dispatch
 from .dtensor import DTensor
 from .ops import _registry
 from .ops._expansion import only_reduces_partials
@@ -48,7 +48,7 @@ _GRAD_STORE = "torch::autograd::AccumulateGrad"
 def _backward_scope():
     """None in forward code; inside a backward formula, the running node's sequence number;
     ``False`` while autograd stores a ``.grad`` (no formula, nothing of the user's to alias)."""
-    node = torch._C._current_autograd_node()
+    node = N.current_autograd_node()
     if node is None:
         return None
     return False if node.name() == _GRAD_STORE else node._sequence_nr()
@@ -273,7 +273,7 @@ def _shares_memory(local: torch.Tensor):
     """
     storage = local.untyped_storage()
     expected = 2 + (local._base is not None) + _inflight.aliases_of(storage)
-    if torch._C._storage_Use_Count(storage._cdata) > expected:
+    if N.storage_use_count(storage._cdata) > expected:
         return "another tensor shares its memory (a view of it, or an alias of its local piece)"
     return None
 
@@ -385,9 +385,9 @@ def _set_wrapper_meta(op, args, kwargs):
     """Apply an in-place view op to the wrapper's own sizes/strides: its meta kernel, with
     dispatch to subclasses off (what torch's return_and_correct_aliasing does for these ops)."""
     with no_dispatch():
-        meta_in_tls = torch._C._meta_in_tls_dispatch_include()
-        torch._C._set_meta_in_tls_dispatch_include(True)
+        meta_in_tls = N.meta_in_tls_dispatch_include()
+        N.set_meta_in_tls_dispatch_include(True)
         try:
             op(*args, **kwargs)
         finally:
-            torch._C._set_meta_in_tls_dispatch_include(meta_in_tls)
+            N.set_meta_in_tls_dispatch_include(meta_in_tls)

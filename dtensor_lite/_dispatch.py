@@ -27,13 +27,13 @@ from __future__ import annotations
 from contextvars import ContextVar
 
 import torch
-from torch.utils._pytree import tree_map
 
 from . import _aliasing, _caches, _failures, _fallback, debug, debug_state
 from ._aliasing import COPIED_VIEWS
 from .compile_support import is_traced
 from ._quick_call import quick_callable
-from ._torch_names import aten
+from ._torch_names import (aten, current_autograd_node, len_torch_dispatch_stack,
+                           make_wrapper_subclass, tree_map)
 from .dtensor import DTensor, use_dispatcher
 from .ops import _registry
 from .ops._expansion import expand_strategies
@@ -203,7 +203,7 @@ def _recorded(op, args, kwargs):
 
 
 _EMPTY: dict = {}
-_make_wrapper = torch.Tensor._make_wrapper_subclass
+_make_wrapper = make_wrapper_subclass
 
 
 def _wrap_as(local: torch.Tensor, spec: DTensorSpec) -> DTensor:
@@ -565,7 +565,7 @@ def _decide_on_one_mesh(op, args, kwargs, dts):
     # the common case that dispatch() runs inline: nothing to move, one fresh tensor out
     d.fast = not d.needs_redistribute and d.flat_positions is not None and d.out_kind == "tensor"
     if full.local_fn is None and not d.needs_redistribute and d.flat_positions is not None and \
-            not torch._C._len_torch_dispatch_stack() and not is_traced(dts[0]._local_tensor):
+            not len_torch_dispatch_stack() and not is_traced(dts[0]._local_tensor):
         # torch.<name> / Tensor.<name> where it runs exactly this op on these local pieces
         local_args = list(args)
         for pos in d.flat_positions:
@@ -596,7 +596,7 @@ class _PlainAsReplicatedDecision:
         self.mesh = mesh
 
     def run(self, args, kwargs, dts, validate=False):
-        if torch._C._current_autograd_node() is None and not IMPLICIT_REPLICATION.get():
+        if current_autograd_node() is None and not IMPLICIT_REPLICATION.get():
             _spec_args(self.op, args, kwargs)  # raises the mixing error
         mesh = self.mesh
 

@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 
 from . import _caches, _dispatch
+from . import _torch_names as N
 from ._aliasing import COPIED_VIEWS
 from ._quick_call import cheaper_spelling as _cheaper_spelling, const as _const, \
     quick_callable as _quick_callable
@@ -63,17 +64,17 @@ __all__ = ["torch_function"]
 # ``__torch_function__`` off, so a local piece that is itself a subclass (an FSDP all-gather
 # extension's weight, a user's tensor type) would come out of ``detach``/``nn.Parameter``/any op
 # as a plain tensor -- unlike a DTensor without this hook, whose local ops see the subclass.
-_skip_hop = torch._C._skip_one_hop_torch_function
-_disabled = torch._C._disabled_torch_function_impl
-_OpOverload = torch._ops.OpOverload
+_skip_hop = N.skip_one_hop_torch_function
+_disabled = N.disabled_torch_function_impl
+_OpOverload = N.OpOverload
 _grad_enabled = torch.is_grad_enabled
-_any_requires_grad = torch._C._any_requires_grad
-_dispatch_modes = torch._C._len_torch_dispatch_stack
-_autocast = torch._C._is_any_autocast_enabled
-_make_wrapper = torch.Tensor._make_wrapper_subclass
+_any_requires_grad = N.any_requires_grad
+_dispatch_modes = N.len_torch_dispatch_stack
+_autocast = N.is_any_autocast_enabled
+_make_wrapper = N.make_wrapper_subclass
 _fwad = torch.autograd.forward_ad
 _INPLACE_VIEW = torch.Tag.inplace_view
-_increment_version = torch._C._increment_version
+_increment_version = N.increment_version
 _RECORDERS = _dispatch.RECORDERS  # the list itself: learns append to and remove from it in place
 
 
@@ -125,7 +126,7 @@ def _ordinary(func, types_, args, kwargs):
 
 
 # builtins with both a TensorList and a ScalarList overload (torch._foreach_maximum, ...)
-_LIST_OVERLOADED = {getattr(torch, n) for n in dir(torch._C._VariableFunctions)
+_LIST_OVERLOADED = {getattr(torch, n) for n in dir(N.VariableFunctions)
                     if n.startswith("_foreach_")}
 
 # (thread, Python function) pairs running the ordinary way now
@@ -407,7 +408,7 @@ _DESCRIPTORS: dict = {}
 
 
 def _descriptor(name):
-    base = getattr(torch._C.TensorBase, name)
+    base = getattr(N.TensorBase, name)
     if name in _METHODS:
         def method(self, *args, **kwargs):
             return _disabled(base, (), (self, *args), kwargs)

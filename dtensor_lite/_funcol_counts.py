@@ -24,6 +24,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from .collectives import all_reduce_cost
+from ._torch_names import OpOverload, OpOverloadPacket
 from .debug_state import CAUSES
 
 __all__ = ["FuncolCounter"]
@@ -111,8 +112,7 @@ class FuncolCounter(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        name = _COUNTED.get(func) if type(func) in (torch._ops.OpOverload,
-                                                    torch._ops.OpOverloadPacket) else None
+        name = _COUNTED.get(func) if type(func) in (OpOverload, OpOverloadPacket) else None
         if name is not None and not torch.compiler.is_compiling() and not _issued_by_us():
             n, ranks = _group(args, kwargs, name)
             op, input = CAUSES[-1] if CAUSES else (f"funcol.{name}", None)

@@ -17,8 +17,8 @@ import functools
 from typing import Callable
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from ._torch_names import tree_flatten, tree_map, tree_unflatten
 from .debug_state import comm_cause
 from .device_mesh import DeviceMesh
 from .dtensor import DTensor

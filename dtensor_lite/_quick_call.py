@@ -9,7 +9,8 @@ dispatcher's cached decisions and ``_fast_path``'s replays then call it on every
 from __future__ import annotations
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from ._torch_names import TorchDispatchMode, VariableFunctions
 
 __all__ = ["cheaper_spelling", "const", "quick_callable"]
 
@@ -56,7 +57,7 @@ def quick_callable(op, args, kwargs, local_fn):
     if local_fn is not getattr(op, "_op", None):
         return local_fn  # a rule's own local function
     name = op._schema.name.split("::")[-1]
-    for fn in (getattr(torch._C._VariableFunctions, name, None), getattr(torch.Tensor, name, None)):
+    for fn in (getattr(VariableFunctions, name, None), getattr(torch.Tensor, name, None)):
         if fn is not None and runs_exactly(fn, op, args, kwargs):
             return fn
     return local_fn

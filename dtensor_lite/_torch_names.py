@@ -138,3 +138,57 @@ class _Unavailable:
 
     def __repr__(self) -> str:
         return f"_Unavailable({self.path})"
+
+
+class _UnavailableBase:
+    """A base class torch no longer provides: subclasses still define (the library imports),
+    making one raises."""
+    _path = "?"
+
+    def __init__(self, *args, **kwargs):
+        _Unavailable(self._path)()
+
+
+def private_class(path: str) -> type:
+    """A private torch class we subclass or check ``isinstance`` against; where this torch lacks
+    it, a stand-in base that raises when instantiated (and that nothing is an instance of)."""
+    return private(path, None) or type(f"Unavailable_{path.rsplit('.', 1)[-1]}",
+                                       (_UnavailableBase,), {"_path": path})
+
+
+# ----------------------------------------------------------------------------------------------
+# The private torch names the library uses, each looked up once here. Hot paths bind them to
+# module globals, so the lookup costs nothing per call.
+OpOverload = private_class("torch._ops.OpOverload")
+OpOverloadPacket = private_class("torch._ops.OpOverloadPacket")
+TensorBase = private_class("torch._C.TensorBase")
+TorchDispatchMode = private_class("torch.utils._python_dispatch.TorchDispatchMode")
+VariableFunctions = private("torch._C._VariableFunctions")
+no_dispatch = private("torch.utils._mode_utils.no_dispatch")
+disabled_torch_function_impl = private("torch._C._disabled_torch_function_impl")
+skip_one_hop_torch_function = private("torch._C._skip_one_hop_torch_function")
+len_torch_dispatch_stack = private("torch._C._len_torch_dispatch_stack")
+any_requires_grad = private("torch._C._any_requires_grad")
+is_any_autocast_enabled = private("torch._C._is_any_autocast_enabled")
+increment_version = private("torch._C._increment_version")
+current_autograd_node = private("torch._C._current_autograd_node")
+current_graph_task_id = private("torch._C._current_graph_task_id")
+storage_use_count = private("torch._C._storage_Use_Count")
+meta_in_tls_dispatch_include = private("torch._C._meta_in_tls_dispatch_include")
+set_meta_in_tls_dispatch_include = private("torch._C._set_meta_in_tls_dispatch_include")
+is_functional_tensor = private("torch._is_functional_tensor")
+is_functorch_wrapped_tensor = private("torch._C._functorch.is_functorch_wrapped_tensor")
+dispatch_get_all_op_names = private("torch._C._dispatch_get_all_op_names")
+get_operation_overload = private("torch._C._get_operation_overload", None)  # callers fall back
+jit_get_all_schemas = private("torch._C._jit_get_all_schemas")
+# a decorator keeping Dynamo out of a function; a torch without it traces the function instead
+disable_dynamo = private("torch._disable_dynamo", lambda fn: fn)
+make_wrapper_subclass = private("torch.Tensor._make_wrapper_subclass")
+autograd_engine = private("torch.autograd.Variable._execution_engine")  # queue_callback
+foreach_norm = private("torch._foreach_norm")
+foreach_mul_ = private("torch._foreach_mul_")
+# torch.utils._pytree: the pytree torch's own APIs flatten with
+tree_map = private("torch.utils._pytree.tree_map")
+tree_flatten = private("torch.utils._pytree.tree_flatten")
+tree_unflatten = private("torch.utils._pytree.tree_unflatten")
+tree_leaves = private("torch.utils._pytree.tree_leaves")

@@ -320,7 +320,7 @@ def _functional():
     global _FUNCTIONAL
     if _FUNCTIONAL is None:
         import torch.distributed._functional_collectives  # noqa: F401  (registers the ops)
-        _FUNCTIONAL = torch.ops._c10d_functional
+        _FUNCTIONAL = getattr(torch.ops, "_c10d_functional")  # a namespace, made on first use
     return _FUNCTIONAL
 
 

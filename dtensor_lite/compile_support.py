@@ -21,6 +21,9 @@ import functools
 import torch
 import torch.utils._pytree as pytree
 
+from . import _torch_names as torch_names
+from ._torch_names import is_functional_tensor, is_functorch_wrapped_tensor
+
 __all__ = ["boundary", "is_traced", "register_constants"]
 
 
@@ -67,7 +70,9 @@ def _call_decoded(fn, args, kwargs):
 def boundary(fn):
     """``fn`` unchanged in eager; under Dynamo one opaque call that AOTAutograd traces for real
     (its Python never runs in Dynamo). Arguments: tensors and registered constants."""
-    traced = torch._dynamo.nonstrict_trace(functools.partial(_call_decoded, fn))
+    # looked up at the call, not at import: importing Dynamo costs seconds of start-up
+    traced = torch_names.private("torch._dynamo.nonstrict_trace")(
+        functools.partial(_call_decoded, fn))
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -88,5 +93,5 @@ def is_traced(t: torch.Tensor) -> bool:
     return is_fake(t)
 
 
-_is_functional = torch._is_functional_tensor
-_functorch_wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+_is_functional = is_functional_tensor
+_functorch_wrapped = is_functorch_wrapped_tensor

@@ -29,6 +29,7 @@ import torch
 from ._comm_counts import CommCounts
 from ._funcol_counts import FuncolCounter
 from ._failures import CollectiveFailedError, RankFailedError, propagate_failures
+from ._torch_names import tree_leaves
 from ._visualize import visualize_sharding
 from .debug_state import CHECKING, COMM_SINKS, EXPLICIT, TIMERS, UNATTRIBUTED, comm_cause
 from .memory_tracker import MemoryTracker
@@ -310,7 +311,7 @@ def _leafless_mod_tracker_class():
 
     class _LeaflessModTracker(ModTracker):
         def _fw_pre_hook(self, mod, input):
-            kept = tuple(a for a in torch.utils._pytree.tree_leaves(input)
+            kept = tuple(a for a in tree_leaves(input)
                          if not (isinstance(a, torch.Tensor) and a.is_leaf))
             return super()._fw_pre_hook(mod, kept)
 

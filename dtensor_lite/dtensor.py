@@ -21,6 +21,7 @@ from .spec import (DTensorSpec, TensorMeta, contiguous_stride, normalize_placeme
                    outside_shape)
 from . import _caches, _dcp, debug_state
 from .compile_support import boundary, register_constants
+from ._torch_names import disabled_torch_function_impl, make_wrapper_subclass
 
 __all__ = ["DTensor"]
 
@@ -46,12 +47,12 @@ class DTensor(torch.Tensor):
 
     # Every decision is made in __torch_dispatch__; ``_fast_path`` replaces this with a shortcut
     # that replays already-decided calls needing nothing from autograd (use_torch_function).
-    __torch_function__ = torch._C._disabled_torch_function_impl
+    __torch_function__ = disabled_torch_function_impl
 
     @staticmethod
     def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool = False):
         meta = spec.tensor_meta
-        r = torch.Tensor._make_wrapper_subclass(
+        r = make_wrapper_subclass(
             cls, meta.shape, strides=meta.stride, dtype=meta.dtype, device=local_tensor.device,
             layout=local_tensor.layout, requires_grad=requires_grad)
         r._local_tensor = local_tensor
@@ -566,5 +567,5 @@ def use_torch_function(torch_function) -> None:
     """Make ``torch_function(cls, func, types, args, kwargs)`` DTensor's ``__torch_function__``
     (``_fast_path`` installs itself this way, for the same reason as ``use_dispatcher``); None
     restores the default: every call goes straight to ``__torch_dispatch__``."""
-    DTensor.__torch_function__ = torch._C._disabled_torch_function_impl \
+    DTensor.__torch_function__ = disabled_torch_function_impl \
         if torch_function is None else classmethod(torch_function)

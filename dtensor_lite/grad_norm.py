@@ -19,6 +19,7 @@ from typing import Iterable
 import torch
 
 from . import collectives as C
+from ._torch_names import foreach_mul_, foreach_norm
 from .dtensor import DTensor, default_mesh
 
 __all__ = ["get_total_norm", "clip_grad_norm_"]
@@ -57,7 +58,7 @@ def get_total_norm(tensors: Iterable[torch.Tensor] | torch.Tensor, norm_type: fl
     identity = {"sum": 0.0, "max": 0.0, "min": math.inf}[op]
     mine = torch.tensor(identity, dtype=acc)
     for mesh, group in groups.items():  # every rank walks the meshes alike (a dict keeps order)
-        norms = torch._foreach_norm(group, norm_type)
+        norms = foreach_norm(group, norm_type)
         coord = mesh.get_coordinate()
         if coord is None or any(coord):  # outside, or not this instance's coordinate-0 rank
             continue
@@ -107,7 +108,7 @@ def clip_grad_norm_(parameters, max_norm: float, norm_type: float = 2.0,
     coef = torch.clamp(float(max_norm) / (total + 1e-6), max=1.0)
     groups, plain = _by_mesh(grads)
     for group in groups.values():
-        torch._foreach_mul_(group, coef.to(group[0].dtype))
+        foreach_mul_(group, coef.to(group[0].dtype))
     for g in plain:
         g.mul_(coef.to(g.device, g.dtype))
     return total

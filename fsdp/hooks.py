@@ -45,7 +45,7 @@ from typing import Any, Callable
 import torch
 import torch.nn as nn
 import torch.utils._pytree as pytree
-from dtensor_lite._torch_names import private
+from dtensor_lite._torch_names import current_graph_task_id, disable_dynamo
 
 from .observers import OBSERVERS, notify
 from .param_group import ShardState
@@ -104,12 +104,9 @@ def _publish_for_forward(group, counted: bool = True):
     group.publish(tensors)
 
 
-_graph_task_id = private("torch._C._current_graph_task_id")
-
-
 def _recomputing() -> bool:
     """A module forward running inside the autograd engine: checkpointing's recomputation."""
-    return _graph_task_id() != -1
+    return current_graph_task_id() != -1
 
 
 # ===================================================================== forward hooks
@@ -117,8 +114,7 @@ def _recomputing() -> bool:
 # a compiled module's forward, as in torch's FSDP); they schedule communication and keep
 # per-step state, which a graph would freeze. The forward between them compiles, on the
 # unsharded tensors the pre-forward hook published.
-# imports Dynamo at the first call, not at import; a torch without it traces the hooks instead
-_eager = private("torch._disable_dynamo", lambda fn: fn)
+_eager = disable_dynamo  # imports Dynamo at the first call, not at import
 
 
 @_eager

@@ -12,6 +12,7 @@ import weakref
 import torch
 import torch.nn as nn
 
+from dtensor_lite._torch_names import autograd_engine
 from dtensor_lite.memory_categories import COMM_BUFFERS, GRADIENTS, UNSHARDED_PARAMS
 
 from .observers import OBSERVERS, notify
@@ -190,7 +191,7 @@ class RootContext:
             for g in self.groups:
                 g.uses_pending = g.forward_uses
                 g.needs_reduce = g.forward_uses > 0
-        torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
+        autograd_engine.queue_callback(self.end_of_backward)
 
     def finish_group(self, group: ParamGroup):
         """All uses of ``group`` have their gradients: reduce (unless no-sync), then reshard.

@@ -96,3 +96,54 @@ def test_no_module_names_torch_ops_aten_directly():
                         ast.unparse(node.value) == "torch.ops":
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert not offenders, offenders
+
+
+# private torch modules imported by name, each for a reason the table cannot serve: a module whose
+# import registers something (ops, a backend), or the pytree module whose registration functions
+# are used whole. Inside a function an import fails only where it is used, so those are allowed.
+ALLOWED_PRIVATE_MODULE_IMPORTS = {
+    "torch.utils._pytree",  # register_pytree_node & co, used as a module
+    "torch.distributed._functional_collectives",  # importing it registers the _c10d_functional ops
+}
+
+
+def _is_private_path(dotted: str) -> bool:
+    return dotted.startswith("torch.") and any(
+        part.startswith("_") and not (part.startswith("__") and part.endswith("__"))
+        for part in dotted.split(".")[1:])
+
+
+def test_private_torch_names_are_looked_up_in_one_place():
+    """Outside ``_torch_names``, no module reads a private torch attribute (``torch._C.x``,
+    ``torch._ops.OpOverload``) or imports a private torch module at import time: a release that
+    drops one would stop ``import dtensor_lite``. They come from ``_torch_names`` instead."""
+    offenders = []
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            if path.name == "_torch_names.py":
+                continue
+            tree = ast.parse(path.read_text(), str(path))
+            lazy = {id(n) for f in ast.walk(tree) if isinstance(f, (ast.FunctionDef, ast.AsyncFunctionDef))
+                    for n in ast.walk(f) if isinstance(n, (ast.Import, ast.ImportFrom))}
+            for node in ast.walk(tree):
+                where = f"{path.relative_to(ROOT)}:{getattr(node, 'lineno', '?')}"
+                if isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Load):
+                    dotted = ast.unparse(node)
+                    if _is_private_path(dotted) and dotted.count(".") == \
+                            len([p for p in dotted.split(".") if p.isidentifier()]) - 1:
+                        offenders.append(f"{where} {dotted}")
+                elif isinstance(node, (ast.Import, ast.ImportFrom)) and id(node) not in lazy:
+                    modules = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                        [node.module or ""] if node.level == 0 else []
+                    for m in modules:
+                        if _is_private_path(m) and m not in ALLOWED_PRIVATE_MODULE_IMPORTS:
+                            offenders.append(f"{where} import {m}")
+                    if isinstance(node, ast.ImportFrom) and node.level == 0 and \
+                            (node.module or "").startswith("torch"):
+                        offenders += [f"{where} from {node.module} import {a.name}"
+                                      for a in node.names if a.name.startswith("_")]
+    # an attribute chain is reported once, at its longest (torch._C._x, not torch._C too)
+    longest = [o for o in offenders if not any(p != o and p.startswith(o.split(" ")[0]) and
+                                                p.split(" ", 1)[1].startswith(o.split(" ", 1)[1] + ".")
+                                                for p in offenders)]
+    assert not longest, "\n".join(longest)

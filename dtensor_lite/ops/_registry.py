@@ -22,7 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from .._torch_names import is_missing
+from .._torch_names import OpOverloadPacket, is_missing, tree_flatten
 from ..dtensor import DTensor
 from ..spec import DTensorSpec
 
@@ -142,7 +142,7 @@ def overloads_of(op):
     a rule written for the functional overload would count ``out`` as one more input."""
     if is_missing(op):  # an op this torch does not have (_torch_names): nothing to register
         return []
-    if isinstance(op, torch._ops.OpOverloadPacket):
+    if isinstance(op, OpOverloadPacket):
         overloads = [getattr(op, name) for name in op.overloads()]
         return [o for o in overloads if not any(a.is_out for a in o._schema.arguments)]
     return [op]
@@ -170,7 +170,6 @@ def intercept_composite(op, dtensor_fn):
     decomposition, as before. Without autograd keys (inference mode) the op reaches the
     dispatcher whole: register a rule for it as well."""
     global _LIB
-    from torch.utils._pytree import tree_flatten
 
     def kernel(*args, **kwargs):
         # every call of the op in the process comes here: look at flat args without a pytree

@@ -38,10 +38,9 @@ import functools
 
 import torch
 
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 from .. import _torch_names as torch_names
+from .._torch_names import TorchDispatchMode, tree_flatten
 from ..dtensor import DTensor
 from ..placements import Partial, Replicate, Shard
 from ..spec import DTensorSpec, TensorMeta

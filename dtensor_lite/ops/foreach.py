@@ -510,7 +510,7 @@ def _per_mesh(op):
 
 
 def _register_all():
-    names = sorted({s.name for s in torch_names.private("torch._C._jit_get_all_schemas")()
+    names = sorted({s.name for s in torch_names.jit_get_all_schemas()
                     if s.name.startswith("aten::_foreach_")})
     for full_name in names:
         name = full_name.split("::")[1]

@@ -9,8 +9,8 @@ like after that choice are the same in every op family; they live here.
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_map
 
+from .._torch_names import tree_map
 from ..placements import LINEAR_REDUCE_OPS, Replicate, reductions_mix
 from ..spec import DTensorSpec
 from ._expansion import expand_strategies

@@ -178,7 +178,7 @@ class _LinearPlan:
     __slots__ = ("out_spec", "x_grad", "w_grad", "b_grad", "bias_partial")
 
 
-_dispatch_modes = torch_names.private("torch._C._len_torch_dispatch_stack")
+_dispatch_modes = torch_names.len_torch_dispatch_stack
 
 
 def _feature_sharded_linear(x, w, b):

@@ -75,7 +75,7 @@ def _candidate_names():
     the coverage would depend on import order; the registry lists them all."""
     extra = set(_EXTRA) | {n.rstrip("_") for n in _EXTRA}
     out = []
-    for name in _all_op_names():
+    for name in torch_names.dispatch_get_all_op_names():
         if not name.startswith("aten::"):
             continue
         qualified, _, overload = name.partition(".")
@@ -88,14 +88,9 @@ def _candidate_names():
     return out
 
 
-# every registered op's name, and an overload's (op, ..., tags) without building it; both private
-_all_op_names = torch_names.private("torch._C._dispatch_get_all_op_names")
-_operation_overload = torch_names.private("torch._C._get_operation_overload", None)
-
-
 def _tags(qualified, base, overload):
     try:  # the tags without building an OpOverload object (3000 of those take ~1 s)
-        found = _operation_overload(qualified, overload)
+        found = torch_names.get_operation_overload(qualified, overload)
         return found[2] if found is not None else ()
     except (AttributeError, TypeError, IndexError):  # private API changed or gone: the slow way
         return getattr(getattr(aten, base), overload or "default").tags

@@ -20,8 +20,8 @@ import operator
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
+from .._torch_names import tree_flatten, tree_map, tree_unflatten
 from ..dtensor import DTensor
 
 __all__ = ["TensorChunkSpec", "split_args_kwargs_into_chunks", "merge_chunks"]

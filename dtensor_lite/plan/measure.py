@@ -38,11 +38,9 @@ from collections import defaultdict
 
 import torch
 import torch.nn as nn
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
-from .._torch_names import aten
+from .._torch_names import TorchDispatchMode, aten, current_graph_task_id, tree_leaves
 from ..debug import CommDebugMode
 from ..dtensor import DTensor
 from ..memory_categories import (ACTIVATIONS, COMM_BUFFERS, GRADIENTS, OPTIMIZER_STATE,
@@ -97,7 +95,7 @@ class _StepMode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if self.recording and self.on_backward is not None \
-                and torch._C._current_graph_task_id() != -1:
+                and current_graph_task_id() != -1:
             self.on_backward()   # backward has begun: recording stops
         out = func(*args, **kwargs)
         packet = func._overloadpacket
