@@ -16,6 +16,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh as _TorchDeviceMesh
 
 from . import _caches, _failures
+from ._torch_names import private
 
 __all__ = ["DeviceMesh", "init_device_mesh"]
 
@@ -58,6 +59,8 @@ class _GroupCache:
         if default is not self._owner:
             self._owner = default
             self._groups = {}
+            from .collectives import NO_COMM_GROUPS
+            NO_COMM_GROUPS.clear()  # the old world's fake groups died with it
             _caches.clear_all()  # decisions cached for the old groups must not outlive them
         return default
 
@@ -78,6 +81,7 @@ class _GroupCache:
             group = default  # the whole world: no new group needed
         else:
             backend, options = backend_override or (None, None)
+            no_comm = backend == "fake" and _register_fake_backend() != "fake"
             my_rank = dist.get_rank()
             timeout = default_group_timeout()
             group = None
@@ -86,11 +90,29 @@ class _GroupCache:
                                    pg_options=options)
                 if my_rank in row:
                     group = g
+            if no_comm and group is not None and len(next(r for r in rows if my_rank in r)) > 1:
+                from .collectives import NO_COMM_GROUPS
+                NO_COMM_GROUPS[group] = next(r for r in rows if my_rank in r)
         self._groups[key] = group
         return group
 
 
 _GROUPS = _GroupCache()
+
+
+def _register_fake_backend() -> str:
+    """Make torch's ``"fake"`` backend known to ``new_group`` (torch registers it only when
+    ``torch.testing._internal.distributed.fake_pg`` is imported; torchtitan's ``ParallelDims``
+    asks for it for mesh dims it never communicates over) and return the default group's backend.
+
+    A ``"fake"`` group is torch's ``FakeProcessGroup``: every collective on it returns at once
+    without moving a byte. On a real world that silently gives wrong values, so where such a dim
+    has more than one rank, ``collectives.py`` refuses to communicate over it (``NO_COMM_GROUPS``)
+    instead; a dim of size 1 never communicates anyway. In a world that is itself fake (the dry
+    run, plan/fake_world.py) every group is fake and nothing is refused."""
+    if "FAKE" not in dist.Backend._plugins:
+        private("torch.testing._internal.distributed.fake_pg")  # importing it registers "fake"
+    return str(dist.get_backend()).lower()
 
 
 def drop_stale_groups() -> None:
@@ -734,7 +756,9 @@ def _backend_overrides(override, ndim: int, names, device_type: str) -> dict:
         raise ValueError(f"init_device_mesh: backend_override must be a dict {{mesh dim index or "
                          f"name: backend}}, got {type(override).__name__}")
     options_type = torch._C._distributed_c10d.Backend.Options
-    allowed = ("gloo", "nccl") if device_type == "cuda" else ("gloo",)
+    # "fake" (torch's FakeProcessGroup): a dim whose group never communicates, as torchtitan's
+    # ParallelDims asks for size-1 and data-loading-only dims; see _register_fake_backend
+    allowed = ("gloo", "nccl", "fake") if device_type == "cuda" else ("gloo", "fake")
     dims = list(names) if names else list(range(ndim))
     out: dict = {}
     for key, value in override.items():
