@@ -582,10 +582,7 @@ class DeviceMesh:
         if not isinstance(other, DeviceMesh):
             raise TypeError(f"can only join a DeviceMesh, got {type(other).__name__}")
         if self._root is not other._root:
-            raise ValueError(
-                f"cannot join {self!r} and {other!r}: they were not sliced from one mesh. Build "
-                "one mesh over all dims (init_device_mesh('cpu', (dp, tp), mesh_dim_names=("
-                "'dp', 'tp'))) and slice both from it (mesh['dp'], mesh['tp'])")
+            return self._join_across_roots(other)
         mine = {d for dims in self._root_dims for d in dims}
         theirs = {d for dims in other._root_dims for d in dims}
         if mine & theirs:
@@ -604,6 +601,66 @@ class DeviceMesh:
             else:
                 cache[key] = DeviceMesh(self.device_type, None, mesh_dim_names=names,
                                         _root=self._root, _root_dims=root_dims)
+        return cache[key]
+
+    def _slice_through(self, rank: int):
+        """The ranks of this mesh's slice (its root's other dims fixed) holding ``rank``, shaped
+        as this mesh; None where ``rank`` is not in the root."""
+        permuted, others, _ = self._permuted_root()
+        idx = (self._root_mesh == rank).nonzero()
+        if idx.numel() == 0:
+            return None
+        coord = idx[0].tolist()
+        sub = permuted[tuple(coord[d] for d in others)] if others else permuted
+        return sub.reshape(self._shape)
+
+    def _join_across_roots(self, other: "DeviceMesh") -> "DeviceMesh":
+        """``join`` of meshes from two roots over the same world, as torchtitan's ParallelDims
+        makes them (the world unflattened once into ("pp", "batch", "cp", "tp") and once into
+        ("pp", "dp_replicate", "fsdp", "tp"); torch joins them by their rank layouts). The
+        joined mesh is well defined when the ranks at (a, b) -- the b-th rank of the ``other``
+        slice through the a-th rank of this mesh -- have this mesh's slice at ``a`` in the
+        joined mesh's column ``b``, for every (a, b): then it is a mesh over this rank's slice
+        whose dims talk over the two meshes' own groups (``from_group``: no group is made, so
+        ranks that build other joins, pipeline stages, do not have to take part)."""
+        fail = (f"cannot join {self!r} and {other!r}: they were not sliced from one mesh and "
+                "their rank layouts do not form one mesh. Build one mesh over all dims "
+                "(init_device_mesh('cpu', (dp, tp), mesh_dim_names=('dp', 'tp'))) and slice "
+                "both from it (mesh['dp'], mesh['tp'])")
+        if not (self._is_member() and other._is_member()) or \
+                self.device_type != other.device_type:
+            raise ValueError(fail)
+        key = ("across", other._root, other._root_dims, self._root_dims,
+               self.mesh_dim_names, other.mesh_dim_names)
+        cache = self._root.__dict__.setdefault("_joined", {})
+        if key in cache:
+            return cache[key]
+        mine = self.mesh
+        rows = []
+        for a in range(mine.numel()):
+            through = other._slice_through(int(mine.view(-1)[a]))
+            if through is None:
+                raise ValueError(fail)
+            rows.append(through.reshape(-1))
+        joined = torch.stack(rows).reshape(self._shape + other._shape)
+        flat = joined.reshape(mine.numel(), -1)
+        for b in range(flat.shape[1]):
+            for a in range(flat.shape[0]):
+                mine_b = self._slice_through(int(flat[a, b]))
+                if mine_b is None or not torch.equal(mine_b.reshape(-1), flat[:, b]):
+                    raise ValueError(fail)
+        if joined.unique().numel() != joined.numel():
+            raise ValueError(fail)
+        if self.mesh_dim_names and other.mesh_dim_names:
+            names = self.mesh_dim_names + other.mesh_dim_names
+            if len(set(names)) != len(names):
+                raise ValueError(f"cannot join {self!r} and {other!r}: they share dim names")
+        else:
+            names = None
+        groups = [self._dim_groups[d].group for d in range(self.ndim)] + \
+                 [other._dim_groups[d].group for d in range(other.ndim)]
+        cache[key] = DeviceMesh.from_group(groups, self.device_type, mesh=joined,
+                                           mesh_dim_names=names)
         return cache[key]
 
     def _dim_index(self, mesh_dim: int | str) -> int:

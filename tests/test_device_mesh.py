@@ -523,6 +523,32 @@ def test_backend_override_fake():
 
 
 @distributed(world_size=4)
+def test_join_meshes_unflattened_from_one_world():
+    """torchtitan's ParallelDims unflattens the world twice, into ("batch", "tp") for data and
+    ("dp_replicate", "fsdp", "tp") for parameters, and fully_shard joins the fsdp dim of one
+    with the tp dim of the other. The joined mesh is the 2-D mesh of their rank layouts, its
+    dims talk over the two meshes' own groups, and it equals (as a mesh) the one-root 2-D mesh;
+    layouts that form no mesh are refused."""
+    rank = dist.get_rank()
+    world = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
+    data = world._unflatten(0, (2, 2), ("batch", "tp"), backend_override={"batch": "fake"})
+    dense = world._unflatten(0, (1, 2, 2), ("dp_replicate", "fsdp", "tp"),
+                             backend_override={"dp_replicate": "fake"})
+    joined = dense["fsdp"].join(data["tp"])
+    assert joined.mesh.tolist() == [[0, 1], [2, 3]] and joined.mesh_dim_names == ("fsdp", "tp")
+    assert joined == init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp"))
+    assert joined.get_group("fsdp") is dense.get_group("fsdp")
+    assert joined.get_group("tp") is data.get_group("tp")
+    assert dense["fsdp"].join(data["tp"]) is joined  # cached
+    x = torch.randn(6, 5)
+    d = distribute_tensor(x, joined, [Shard(0), Shard(1)])
+    assert torch.equal(d.full_tensor(), x)
+    assert joined.get_coordinate() == [rank // 2, rank % 2]
+    with pytest.raises(ValueError, match="do not form one mesh"):
+        dense["tp"].join(data["tp"])  # the same ranks twice
+
+
+@distributed(world_size=4)
 def test_init_device_mesh_backend_override_errors():
     names = ("dp", "tp")
     cases = [
