@@ -468,7 +468,7 @@ def test_plan_key_matching_nothing_warns_as_torch():
 def test_parallelize_module_errors():
     mesh = init_device_mesh("cpu", (4,))
     model = Llama(CFG)
-    with pytest.warns(UserWarning, match=r"Parallelize plan key 'attn\.wq' could not be resolved: "
+    with pytest.warns(UserWarning, match=r"(?s)Parallelize plan key 'attn\.wq' could not be resolved: "
                                          r"no submodule matching token 'attn' in module .*"
                                          r"skipping this plan entry"):
         parallelize_module(model, mesh, {"layers.*.attn.wq": ColwiseParallel()})
