@@ -162,10 +162,27 @@ class Pending:
             pass
 
 
+# {process group: its ranks} for the groups of mesh dims made with torch's "fake" backend in a
+# real world (init_device_mesh(backend_override={dim: "fake"}), as torchtitan's ParallelDims asks
+# for dims it only reads coordinates of). Such a group moves no bytes, so a collective over it
+# would leave wrong values behind without a word: refuse it instead (device_mesh.py)
+NO_COMM_GROUPS: dict = {}
+
+
+def _refuse_fake(group) -> None:
+    raise RuntimeError(
+        f"a collective was asked of the mesh dim over ranks {list(NO_COMM_GROUPS[group])}, whose "
+        "process group has backend 'fake' (init_device_mesh / _unflatten backend_override): a fake "
+        "group never communicates, so the result would be wrong; give that dim a real backend "
+        "(leave it out of backend_override) if anything is sharded, reduced or gathered over it")
+
+
 def _issue(collective, *args, group, **kwargs):
     """Issue ``collective`` asynchronously: (its work, when the issue call began, the group, the
     tensors the backend holds until it lets go of the work). The backend gets private aliases of
     the tensor arguments, released only once it let go of them (see _inflight.py)."""
+    if NO_COMM_GROUPS and group in NO_COMM_GROUPS:
+        _refuse_fake(group)
     if CHECKING:
         _check_buffers_agree(collective, args, group)
     started = time.perf_counter()

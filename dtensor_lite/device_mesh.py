@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh as _TorchDeviceMesh
 
 from . import _caches, _failures, _mesh_abort
+from ._torch_names import private
 
 __all__ = ["DeviceMesh", "init_device_mesh"]
 
@@ -59,6 +60,8 @@ class _GroupCache:
         if default is not self._owner:
             self._owner = default
             self._groups = {}
+            from .collectives import NO_COMM_GROUPS
+            NO_COMM_GROUPS.clear()  # the old world's fake groups died with it
             _caches.clear_all()  # decisions cached for the old groups must not outlive them
         return default
 
@@ -79,6 +82,7 @@ class _GroupCache:
             group = default  # the whole world: no new group needed
         else:
             backend, options = backend_override or (None, None)
+            no_comm = backend == "fake" and _register_fake_backend() != "fake"
             my_rank = dist.get_rank()
             timeout = default_group_timeout()
             group = None
@@ -87,6 +91,9 @@ class _GroupCache:
                                    pg_options=options)
                 if my_rank in row:
                     group = g
+            if no_comm and group is not None and len(next(r for r in rows if my_rank in r)) > 1:
+                from .collectives import NO_COMM_GROUPS
+                NO_COMM_GROUPS[group] = next(r for r in rows if my_rank in r)
         self._groups[key] = group
         return group
 
@@ -96,6 +103,21 @@ class _GroupCache:
 
 
 _GROUPS = _GroupCache()
+
+
+def _register_fake_backend() -> str:
+    """Make torch's ``"fake"`` backend known to ``new_group`` (torch registers it only when
+    ``torch.testing._internal.distributed.fake_pg`` is imported; torchtitan's ``ParallelDims``
+    asks for it for mesh dims it never communicates over) and return the default group's backend.
+
+    A ``"fake"`` group is torch's ``FakeProcessGroup``: every collective on it returns at once
+    without moving a byte. On a real world that silently gives wrong values, so where such a dim
+    has more than one rank, ``collectives.py`` refuses to communicate over it (``NO_COMM_GROUPS``)
+    instead; a dim of size 1 never communicates anyway. In a world that is itself fake (the dry
+    run, plan/fake_world.py) every group is fake and nothing is refused."""
+    if "FAKE" not in dist.Backend._plugins:
+        private("torch.testing._internal.distributed.fake_pg")  # importing it registers "fake"
+    return str(dist.get_backend()).lower()
 
 
 def drop_stale_groups() -> None:
@@ -640,10 +662,7 @@ class DeviceMesh:
         if not isinstance(other, DeviceMesh):
             raise TypeError(f"can only join a DeviceMesh, got {type(other).__name__}")
         if self._root is not other._root:
-            raise ValueError(
-                f"cannot join {self!r} and {other!r}: they were not sliced from one mesh. Build "
-                "one mesh over all dims (init_device_mesh('cpu', (dp, tp), mesh_dim_names=("
-                "'dp', 'tp'))) and slice both from it (mesh['dp'], mesh['tp'])")
+            return self._join_across_roots(other)
         mine = {d for dims in self._root_dims for d in dims}
         theirs = {d for dims in other._root_dims for d in dims}
         if mine & theirs:
@@ -662,6 +681,66 @@ class DeviceMesh:
             else:
                 cache[key] = DeviceMesh(self.device_type, None, mesh_dim_names=names,
                                         _root=self._root, _root_dims=root_dims)
+        return cache[key]
+
+    def _slice_through(self, rank: int):
+        """The ranks of this mesh's slice (its root's other dims fixed) holding ``rank``, shaped
+        as this mesh; None where ``rank`` is not in the root."""
+        permuted, others, _ = self._permuted_root()
+        idx = (self._root_mesh == rank).nonzero()
+        if idx.numel() == 0:
+            return None
+        coord = idx[0].tolist()
+        sub = permuted[tuple(coord[d] for d in others)] if others else permuted
+        return sub.reshape(self._shape)
+
+    def _join_across_roots(self, other: "DeviceMesh") -> "DeviceMesh":
+        """``join`` of meshes from two roots over the same world, as torchtitan's ParallelDims
+        makes them (the world unflattened once into ("pp", "batch", "cp", "tp") and once into
+        ("pp", "dp_replicate", "fsdp", "tp"); torch joins them by their rank layouts). The
+        joined mesh is well defined when the ranks at (a, b) -- the b-th rank of the ``other``
+        slice through the a-th rank of this mesh -- have this mesh's slice at ``a`` in the
+        joined mesh's column ``b``, for every (a, b): then it is a mesh over this rank's slice
+        whose dims talk over the two meshes' own groups (``from_group``: no group is made, so
+        ranks that build other joins, pipeline stages, do not have to take part)."""
+        fail = (f"cannot join {self!r} and {other!r}: they were not sliced from one mesh and "
+                "their rank layouts do not form one mesh. Build one mesh over all dims "
+                "(init_device_mesh('cpu', (dp, tp), mesh_dim_names=('dp', 'tp'))) and slice "
+                "both from it (mesh['dp'], mesh['tp'])")
+        if not (self._is_member() and other._is_member()) or \
+                self.device_type != other.device_type:
+            raise ValueError(fail)
+        key = ("across", other._root, other._root_dims, self._root_dims,
+               self.mesh_dim_names, other.mesh_dim_names)
+        cache = self._root.__dict__.setdefault("_joined", {})
+        if key in cache:
+            return cache[key]
+        mine = self.mesh
+        rows = []
+        for a in range(mine.numel()):
+            through = other._slice_through(int(mine.view(-1)[a]))
+            if through is None:
+                raise ValueError(fail)
+            rows.append(through.reshape(-1))
+        joined = torch.stack(rows).reshape(self._shape + other._shape)
+        flat = joined.reshape(mine.numel(), -1)
+        for b in range(flat.shape[1]):
+            for a in range(flat.shape[0]):
+                mine_b = self._slice_through(int(flat[a, b]))
+                if mine_b is None or not torch.equal(mine_b.reshape(-1), flat[:, b]):
+                    raise ValueError(fail)
+        if joined.unique().numel() != joined.numel():
+            raise ValueError(fail)
+        if self.mesh_dim_names and other.mesh_dim_names:
+            names = self.mesh_dim_names + other.mesh_dim_names
+            if len(set(names)) != len(names):
+                raise ValueError(f"cannot join {self!r} and {other!r}: they share dim names")
+        else:
+            names = None
+        groups = [self._dim_groups[d].group for d in range(self.ndim)] + \
+                 [other._dim_groups[d].group for d in range(other.ndim)]
+        cache[key] = DeviceMesh.from_group(groups, self.device_type, mesh=joined,
+                                           mesh_dim_names=names)
         return cache[key]
 
     def _dim_index(self, mesh_dim: int | str) -> int:
@@ -814,7 +893,9 @@ def _backend_overrides(override, ndim: int, names, device_type: str) -> dict:
         raise ValueError(f"init_device_mesh: backend_override must be a dict {{mesh dim index or "
                          f"name: backend}}, got {type(override).__name__}")
     options_type = torch._C._distributed_c10d.Backend.Options
-    allowed = ("gloo", "nccl") if device_type == "cuda" else ("gloo",)
+    # "fake" (torch's FakeProcessGroup): a dim whose group never communicates, as torchtitan's
+    # ParallelDims asks for size-1 and data-loading-only dims; see _register_fake_backend
+    allowed = ("gloo", "nccl", "fake") if device_type == "cuda" else ("gloo", "fake")
     dims = list(names) if names else list(range(ndim))
     out: dict = {}
     for key, value in override.items():

@@ -22,6 +22,7 @@ from .spec import (DTensorSpec, TensorMeta, contiguous_stride, normalize_placeme
 from . import _caches, _dcp, debug_state
 from .compile_support import boundary, register_constants
 from ._torch_names import disabled_torch_function_impl, make_wrapper_subclass
+from ._unseen import unseen_fn
 
 __all__ = ["DTensor"]
 
@@ -381,6 +382,7 @@ def _check_grad_layout_fits(spec: DTensorSpec, grad_layout: DTensorSpec) -> None
 
 class _FromLocal(torch.autograd.Function):
     @staticmethod
+    @unseen_fn
     def forward(ctx, local, spec, grad_layout=None):
         ctx.spec, ctx.grad_layout = spec, grad_layout
         if any(p.is_partial() and p.reduce_op != "sum" for p in spec.placements):
@@ -393,6 +395,7 @@ class _FromLocal(torch.autograd.Function):
             return _FromLocal._backward(ctx, grad)
 
     @staticmethod
+    @unseen_fn
     def _backward(ctx, grad):
         grad = _as_grad_dtensor(grad, ctx.spec)
         if ctx.grad_layout is None:
@@ -484,6 +487,7 @@ def _cast(dt: "DTensor", dtype: torch.dtype | None) -> "DTensor":
 class _Redistribute(torch.autograd.Function):
     # CommDebugMode labels: "redistribute" unless an op's dispatch is redistributing (its label)
     @staticmethod
+    @unseen_fn
     def forward(ctx, dt, dst, async_op, forward_dtype=None, backward_dtype=None):
         ctx.src, ctx.async_op, ctx.backward_dtype = dt._spec, async_op, backward_dtype
         if forward_dtype is not None:  # cast before the collectives: they move forward_dtype
@@ -492,6 +496,7 @@ class _Redistribute(torch.autograd.Function):
             return _redistributed(dt, dst, async_op)
 
     @staticmethod
+    @unseen_fn
     def backward(ctx, grad):
         grad = _as_grad_dtensor(grad, ctx.src)
         # the backward collectives run at backward_dtype, by default at the input's dtype (not

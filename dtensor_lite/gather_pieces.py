@@ -32,6 +32,7 @@ from __future__ import annotations
 import torch
 
 from . import _caches
+from ._unseen import unseen_fn
 from . import collectives as C
 from .piece_check import checked_global_shape
 from .dtensor import DTensor, _as_grad_dtensor, _redistribute_grad_target, _redistributed
@@ -46,6 +47,7 @@ _HEADER = 8  # one int64: this rank's rows along the shard dim, or -1 (does not 
 _AGREED: dict = _caches.register({})
 
 
+@unseen_fn
 def gather_local_pieces(local: torch.Tensor, mesh, dim: int, *, who: str = "") -> DTensor:
     """The Replicate DTensor whose ``Shard(dim)`` pieces (on the 1-D ``mesh``) are the ranks'
     ``local`` tensors, of whatever sizes ``torch.chunk`` gives; differentiable (the gradient
@@ -69,6 +71,7 @@ def agreement_applies(mesh) -> bool:
     return mesh.ndim == 1 and mesh.get_coordinate() is not None
 
 
+@unseen_fn
 def pieces_global_shape(local: torch.Tensor, mesh, placements, *, who: str,
                         what: str) -> torch.Size:
     """The global shape of the ranks' pieces laid out as ``placements`` (a Shard among them) for
@@ -79,6 +82,7 @@ def pieces_global_shape(local: torch.Tensor, mesh, placements, *, who: str,
     return checked_global_shape(local, mesh, placements, what=what)
 
 
+@unseen_fn
 def local_pieces_shape(local: torch.Tensor, mesh, dim: int, *, who: str = "") -> torch.Size:
     """The global shape of the ranks' ``Shard(dim)`` pieces on the 1-D ``mesh``, for a piece
     that is not gathered: once warm, one all_gather of an 8-byte header per rank (the full
@@ -150,12 +154,14 @@ class _Gathered(torch.autograd.Function):
     as redistribute's."""
 
     @staticmethod
+    @unseen_fn
     def forward(ctx, sharded, full):
         ctx.src = sharded._spec
         meta = TensorMeta(full.shape, contiguous_stride(full.shape), full.dtype)
         return DTensor(full, DTensorSpec(ctx.src.mesh, (Replicate(),), meta))
 
     @staticmethod
+    @unseen_fn
     def backward(ctx, grad):
         grad = _as_grad_dtensor(grad, ctx.src)
         return _redistributed(grad, _redistribute_grad_target(ctx.src, grad._spec), False), None

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from . import collectives as C
+from ._unseen import unseen_fn
 from .spec import DTensorSpec, TensorMeta, contiguous_stride
 
 __all__ = ["checked_global_shape"]
@@ -61,6 +62,7 @@ def _describe(rows: list[dict], ranks: list[int], limit: int = 16) -> str:
     return "; ".join(parts)
 
 
+@unseen_fn
 def checked_global_shape(local: torch.Tensor, mesh, placements, shape=None, stride=None,
                          *, what: str = "from_local(run_check=True)") -> torch.Size:
     """The global shape the ranks' ``local`` pieces form under ``placements`` (torch.chunk

@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
+from dtensor_lite import Replicate, Shard
 from examples.llama import LlamaConfig
 from examples.train_llama import (TrainConfig, build, corpus_tokens, dp_rows, global_batch,
                                   parse_mesh, reference_losses, train, train_step,
@@ -247,3 +248,152 @@ def test_checkpointing_shrinks_what_a_block_keeps():
     for block in range(TINY.n_layers):
         assert kept["full"][block] < kept["selective"][block] < kept["none"][block], kept
     assert kept["full"] == [0] * TINY.n_layers, kept
+
+
+# ---------------------------------------------------------------- the recompute repeats the forward
+# The rule: under checkpointing (full, selective, op-level policies, preserve_rng_state), the
+# recompute issues the forward's aten op sequence, whatever the library warmed in between (fast
+# path replays, cached decisions and plans, first-call shape exchanges, local TP linears):
+# selective checkpointing replays the forward's ops by position. The library's own Python-level
+# work is unseen by the user's dispatch modes (dtensor_lite/_unseen.py).
+def _titan_like_policy():
+    """torchtitan's default selective policy (``activation_checkpoint.mode = "selective"``, op
+    mode): keep mm / attention kernels / reduce-scatter / max, every second mm recomputed,
+    counted apart in the forward and the recompute."""
+    from collections import defaultdict
+
+    from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+    aten = torch.ops.aten
+    save = {aten.mm.default, aten._scaled_dot_product_efficient_attention.default,
+            aten._scaled_dot_product_flash_attention.default,
+            aten._scaled_dot_product_attention_math.default,
+            torch.ops._c10d_functional.reduce_scatter_tensor.default, aten.max.default}
+    meta = defaultdict(int)
+
+    def policy(ctx, func, *args, **kwargs):
+        key = f"{'recompute' if ctx.is_recompute else 'forward'}_mm_count"
+        if func == aten.mm.default:
+            meta[key] += 1
+        keep = func in save and not (func == aten.mm.default and meta[key] % 2 == 0)
+        return CheckpointPolicy.MUST_SAVE if keep else CheckpointPolicy.PREFER_RECOMPUTE
+    return create_selective_checkpoint_contexts(policy)
+
+
+def _titan_like_plan(model):
+    """examples' sequence-parallel plan with torchtitan's residual stream: a plain local tensor
+    between blocks (use_local_output=True), so every SequenceParallel / PrepareModuleInput hook
+    learns its global sequence length from local pieces (a first-call exchange, then a header)."""
+    from examples.llama_parallel import llama_tp_plan
+    from tp import RowwiseParallel
+    plan = llama_tp_plan(model, sequence_parallel=True)
+    plan["tok_embeddings"] = RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1))
+    for key in ("layers.*.attention.wo", "layers.*.feed_forward.w2"):
+        plan[key] = RowwiseParallel(output_layouts=Shard(1))
+    return plan
+
+
+def _two_d_sp_checkpointed(ac: str):
+    """dp=2 x tp=2, sequence parallel (torchtitan's plan shape), every block checkpointed
+    (``ac``: "full" or "selective" with the torchtitan-like policy) then fully_shard: loss and
+    every gradient of two steps against one process's."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    from dtensor_lite import init_device_mesh
+    from examples.llama import Llama, loss_fn
+    from fsdp import fully_shard
+    from tp import parallelize_module
+
+    cfg = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_dim=48, max_seq_len=16)
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    torch.manual_seed(0)
+    ref = Llama(cfg)
+    model = copy.deepcopy(ref)
+    parallelize_module(model, mesh["tp"], _titan_like_plan(model))
+    kw = {"context_fn": _titan_like_policy} if ac == "selective" else {}
+    for i, block in enumerate(model.layers):
+        model.layers[i] = block = checkpoint_wrapper(block, preserve_rng_state=True, **kw)
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    dp = mesh["dp"].get_local_rank()
+    worst = 0.0
+    for step in range(2):
+        g = torch.Generator().manual_seed(7 + step)
+        tokens = torch.randint(0, cfg.vocab_size, (4, 17), generator=g)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+        loss = loss_fn(model(x[2 * dp:2 * dp + 2]), y[2 * dp:2 * dp + 2])
+        loss.backward()
+        ref_loss = loss_fn(ref(x), y)
+        ref_loss.backward()
+        mean = loss.detach().clone()
+        dist.all_reduce(mean, group=mesh["dp"].get_group())
+        worst = max(worst, abs(mean.item() / 2 - ref_loss.item()) / abs(ref_loss.item()))
+        ref_grads = {n.replace("_checkpoint_wrapped_module.", ""): p.grad
+                     for n, p in ref.named_parameters()}
+        for name, p in model.named_parameters():
+            name = name.replace("_checkpoint_wrapped_module.", "")
+            # fully_shard averages over dp: the mean of the two halves' losses, as ref's
+            torch.testing.assert_close(p.grad.full_tensor(), ref_grads[name], rtol=1e-4,
+                                       atol=1e-6, msg=lambda e: f"step {step} {name}: {e}")
+        model.zero_grad()
+        ref.zero_grad()
+    return worst
+
+
+@pytest.mark.parametrize("ac", ["selective", "full"])
+def test_2d_sequence_parallel_checkpointing_matches_one_process(ac):
+    worst = run_distributed(4, _two_d_sp_checkpointed, ac)
+    assert max(worst) <= 1e-5, worst
+
+
+class _Recorder(TorchDispatchMode):
+    """The aten ops a pass issues (those selective checkpointing replays by position)."""
+
+    def __init__(self, log):
+        super().__init__()
+        self.log = log
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils.checkpoint import SAC_IGNORED_OPS
+        if func not in SAC_IGNORED_OPS:  # detach / metadata ops: selective ignores them too
+            self.log.append(str(func))
+        return func(*args, **(kwargs or {}))
+
+
+def _recompute_repeats_forward(kind: str):
+    """A sequence-parallel block on uneven local pieces (7 positions over 2 ranks), run for the
+    first time under checkpointing: its hooks learn the global length from the pieces (a shape
+    exchange now, a header riding the data once warm, and the recompute is warm). The op
+    sequences the forward and the recompute issue, and the input gradient against one process."""
+    from torch.utils.checkpoint import checkpoint, set_checkpoint_early_stop
+
+    from dtensor_lite import DTensor, init_device_mesh
+    from tp import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
+
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    ref = torch.nn.Sequential(torch.nn.LayerNorm(8), torch.nn.Linear(8, 12), torch.nn.GELU(),
+                              torch.nn.Linear(12, 8))
+    blk = parallelize_module(copy.deepcopy(ref), mesh, {
+        "0": SequenceParallel(), "1": ColwiseParallel(input_layouts=Shard(1)),
+        "3": RowwiseParallel(output_layouts=Shard(1))})
+    whole = torch.randn(2, 7, 8)
+    rank = dist.get_rank()
+    x = whole[:, :4].clone() if rank == 0 else whole[:, 4:].clone()
+    x.requires_grad_(True)
+    fwd, rec = [], []
+    with set_checkpoint_early_stop(False):  # the whole recompute, to compare whole sequences
+        y = checkpoint(blk, x, use_reentrant=False, preserve_rng_state=True,
+                       context_fn=lambda: (_Recorder(fwd), _Recorder(rec)))
+        y = y.to_local() if isinstance(y, DTensor) else y
+        (y * y).sum().backward()
+    wx = whole.clone().requires_grad_(True)
+    (ref(wx) ** 2).sum().backward()
+    mine = wx.grad[:, :4] if rank == 0 else wx.grad[:, 4:]
+    torch.testing.assert_close(x.grad, mine, rtol=1e-4, atol=1e-6)
+    return fwd, rec
+
+
+def test_recompute_issues_the_forwards_ops_on_first_call():
+    for fwd, rec in run_distributed(2, _recompute_repeats_forward, "record"):
+        assert fwd and fwd == rec, (fwd, rec)

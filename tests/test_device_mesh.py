@@ -488,6 +488,67 @@ def test_init_device_mesh_backend_override():
 
 
 @distributed(world_size=4)
+def test_backend_override_fake():
+    """torch's "fake" backend (torchtitan's ParallelDims gives it to size-1 and data-loading-only
+    dims): accepted as torch accepts it, the dim's group is torch's FakeProcessGroup (backend
+    "fake"), coordinates and slicing work, a size-1 fake dim takes part in DTensor programs (it
+    never communicates), and a collective over a fake dim of several ranks is refused by name
+    instead of leaving the wrong values a FakeProcessGroup would."""
+    rank = dist.get_rank()
+    world = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
+    mesh = world._unflatten(0, (1, 2, 2), ("pp", "batch", "tp"),
+                            backend_override={"pp": "fake", "batch": "fake"})
+    assert dist.get_backend(mesh.get_group("pp")) == "fake"
+    assert dist.get_backend(mesh.get_group("batch")) == "fake"
+    assert dist.get_backend(mesh.get_group("tp")) == "gloo"
+    assert mesh["batch"].get_local_rank() == rank // 2 and mesh.get_coordinate() == [0, rank // 2, rank % 2]
+    torch.manual_seed(0)
+    x = torch.randn(6, 5)
+    sub = mesh["pp", "tp"]  # a size-1 fake dim beside a real one: a full DTensor program runs
+    d = distribute_tensor(x, sub, [Replicate(), Shard(1)])
+    y = (d * 2).sum(0)
+    assert y.placements == (Replicate(), Shard(0))
+    assert torch.allclose(y.full_tensor(), (x * 2).sum(0))
+    # a flattened dim gets a real group of its own, as torchtitan's loss mesh needs
+    loss = mesh["batch", "tp"]._flatten("loss")
+    assert torch.equal(distribute_tensor(x, loss, [Shard(0)]).full_tensor(), x)
+    # by init_device_mesh too; size-1 dims on a fake backend are free
+    m2 = init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp", "tp"), backend_override={"dp": "fake"})
+    assert torch.equal(distribute_tensor(x, m2, [Shard(0), Shard(0)]).full_tensor(), x)
+    # several ranks over a fake group: refused clearly (every rank alike), never wrong values
+    with pytest.raises(RuntimeError, match=r"backend 'fake'.*never communicates"):
+        distribute_tensor(x, mesh["batch"], [Replicate()]).redistribute(
+            mesh["batch"], [Shard(0)]).redistribute(mesh["batch"], [Replicate()])
+    assert torch.equal(distribute_tensor(x, mesh["tp"], [Shard(0)]).full_tensor(), x)
+
+
+@distributed(world_size=4)
+def test_join_meshes_unflattened_from_one_world():
+    """torchtitan's ParallelDims unflattens the world twice, into ("batch", "tp") for data and
+    ("dp_replicate", "fsdp", "tp") for parameters, and fully_shard joins the fsdp dim of one
+    with the tp dim of the other. The joined mesh is the 2-D mesh of their rank layouts, its
+    dims talk over the two meshes' own groups, and it equals (as a mesh) the one-root 2-D mesh;
+    layouts that form no mesh are refused."""
+    rank = dist.get_rank()
+    world = init_device_mesh("cpu", (4,), mesh_dim_names=("world",))
+    data = world._unflatten(0, (2, 2), ("batch", "tp"), backend_override={"batch": "fake"})
+    dense = world._unflatten(0, (1, 2, 2), ("dp_replicate", "fsdp", "tp"),
+                             backend_override={"dp_replicate": "fake"})
+    joined = dense["fsdp"].join(data["tp"])
+    assert joined.mesh.tolist() == [[0, 1], [2, 3]] and joined.mesh_dim_names == ("fsdp", "tp")
+    assert joined == init_device_mesh("cpu", (2, 2), mesh_dim_names=("fsdp", "tp"))
+    assert joined.get_group("fsdp") is dense.get_group("fsdp")
+    assert joined.get_group("tp") is data.get_group("tp")
+    assert dense["fsdp"].join(data["tp"]) is joined  # cached
+    x = torch.randn(6, 5)
+    d = distribute_tensor(x, joined, [Shard(0), Shard(1)])
+    assert torch.equal(d.full_tensor(), x)
+    assert joined.get_coordinate() == [rank // 2, rank % 2]
+    with pytest.raises(ValueError, match="do not form one mesh"):
+        dense["tp"].join(data["tp"])  # the same ranks twice
+
+
+@distributed(world_size=4)
 def test_init_device_mesh_backend_override_errors():
     names = ("dp", "tp")
     cases = [
@@ -495,7 +556,7 @@ def test_init_device_mesh_backend_override_errors():
         ({"pp": "gloo"}, r"names mesh dim 'pp', which is not one of the mesh_dim_names"),
         ({0: ("gloo", None, 5)}, r"has 3 entries; a tuple must be \(backend, options\)"),
         ({"tp": "nccl"}, r"asks for backend 'nccl'; on 'cpu' meshes here the backends are "
-                         r"\['gloo'\]"),
+                         r"\['gloo', 'fake'\]"),
         ({0: "gloo", "dp": "gloo"}, r"gives mesh dim 'dp' twice"),
         ({1: ("gloo", 3)}, r"options must be a torch Backend.Options, got int"),
         (["gloo", "gloo"], r"backend_override must be a dict"),

@@ -42,8 +42,11 @@ def _mesh(pp, dp, tp, dpr=1):
                             mesh_dim_names=tuple(name for _, name in sizes))
 
 
-def build(schedule, pp, v, m, dp=1, tp=1, layers=None, sp=False, reshard=None, dpr=1):
-    """(mesh, schedule, local stage modules, oracle model); ``dpr``: HSDP's replicas."""
+def build(schedule, pp, v, m, dp=1, tp=1, layers=None, sp=False, reshard=None, dpr=1,
+          by_group=False):
+    """(mesh, schedule, local stage modules, oracle model); ``dpr``: HSDP's replicas;
+    ``by_group``: stages built as torchtitan 0.3 builds them, on the pp dim's ProcessGroup with
+    torch 2.15's ``get_mesh`` callback (dim names -> mesh) for the DTensors they receive."""
     mesh = _mesh(pp, dp, tp, dpr)
     dp_dims = ("dp_replicate", "dp_shard") if dpr > 1 else "dp_shard"
     num_stages = pp * v
@@ -64,8 +67,19 @@ def build(schedule, pp, v, m, dp=1, tp=1, layers=None, sp=False, reshard=None, d
             for layer in mod.layers.values():
                 fully_shard(layer, mesh=mesh[dp_dims], **kw)
             fully_shard(mod, mesh=mesh[dp_dims], **kw)
-    stages = [PipelineStage(mod, s, num_stages, "cpu", group=mesh["pp"])
-              for s, mod in zip(ids, mods)]
+    if by_group:
+        asked = []
+
+        def get_mesh(names, layout):
+            asked.append((names, layout))
+            return mesh[names]
+        stages = [PipelineStage(mod, s, num_stages, torch.device("cpu"),
+                                group=mesh.get_group("pp"), get_mesh=get_mesh)
+                  for s, mod in zip(ids, mods)]
+        mesh.asked = asked
+    else:
+        stages = [PipelineStage(mod, s, num_stages, "cpu", group=mesh["pp"])
+                  for s, mod in zip(ids, mods)]
     single = issubclass(cls, PipelineScheduleSingle)
     sched = cls(stages[0] if single else stages, m, loss_fn=_loss)
     return mesh, sched, mods, oracle
@@ -93,8 +107,9 @@ def _mine_and_expected(grad, ref):
     return grad.to_local(), ref[tuple(slice(o, o + n) for o, n in zip(offset, shape))]
 
 
-def parity(schedule, pp, v, m, dp=1, tp=1, layers=None, sp=False, steps=5, optim="adamw"):
-    mesh, sched, mods, oracle = build(schedule, pp, v, m, dp, tp, layers, sp)
+def parity(schedule, pp, v, m, dp=1, tp=1, layers=None, sp=False, steps=5, optim="adamw",
+           by_group=False):
+    mesh, sched, mods, oracle = build(schedule, pp, v, m, dp, tp, layers, sp, by_group=by_group)
     params = [p for mod in mods for p in mod.parameters()]
     make = {"adamw": torch.optim.AdamW, "sgd": torch.optim.SGD}[optim]
     opt = make(params, lr=LR) if params else None   # a stage may hold no layer
@@ -129,6 +144,9 @@ def parity(schedule, pp, v, m, dp=1, tp=1, layers=None, sp=False, steps=5, optim
             opt.zero_grad()
         ref_opt.step()
         ref_opt.zero_grad()
+    if by_group:
+        mesh_asked = mesh.asked
+        assert mesh_asked and all(a == (("tp",), None) for a in mesh_asked), mesh_asked
     return worst
 
 
@@ -167,6 +185,17 @@ def test_parity_pp_tp(schedule):
     # sequence parallel: the residual stream crosses stages as a Shard(1) DTensor
     v = 2 if schedule in MULTI else 1
     parity(schedule, 2, v, 2, tp=2, sp=True)
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "interleaved1f1b"])
+@distributed(world_size=4)
+def test_parity_pp_tp_stage_on_process_group_with_get_mesh(schedule):
+    """torch 2.15's PipelineStage(group=<ProcessGroup>, get_mesh=callback), as torchtitan's
+    pipeline_llm builds stages: the Shard(1) residual stream crosses stages and is rebuilt on
+    the mesh the callback gives for its dim names (asked once per names, layout None); the
+    losses and gradients are one process's."""
+    v = 2 if schedule in MULTI else 1
+    parity(schedule, 2, v, 2, tp=2, sp=True, steps=2, by_group=True)
 
 
 @pytest.mark.parametrize("schedule", SCHEDULES)

@@ -96,18 +96,24 @@ def _tp_mesh(module: nn.Module, device_mesh) -> DeviceMesh:
 
 
 def _match(root: nn.Module, pattern: str) -> list[tuple[str, nn.Module]]:
-    """(fqn, submodule) for every submodule whose path matches ``pattern``; ValueError if none."""
+    """(fqn, submodule) for every submodule whose path matches ``pattern``.
+
+    As torch's: where a module on the way has no child matching the next atom, that branch of
+    the entry is skipped with torch's ``UserWarning`` (its text, naming the rest of the key, the
+    atom and the module). torchtitan relies on it: one plan serves every pipeline stage, and a
+    stage has deleted the modules (``norm``, ``output``, layers) other stages hold."""
     frontier = [("", root)]
-    for atom in pattern.split("."):
-        nxt = [(f"{fqn}.{name}" if fqn else name, child)
-               for fqn, mod in frontier for name, child in mod.named_children()
-               if fnmatch.fnmatchcase(name, atom)]
-        if not nxt:
-            parents = ", ".join(repr(f or type(root).__name__) for f, _ in frontier[:3])
-            children = sorted({name for _, mod in frontier for name, _ in mod.named_children()})
-            raise ValueError(
-                f"parallelize_module: plan key {pattern!r} matches no submodule of "
-                f"{type(root).__name__}: no child of {parents} matches {atom!r} (children: "
-                f"{', '.join(children) or 'none'}); fix the path or drop the entry")
+    atoms = pattern.split(".")
+    for i, atom in enumerate(atoms):
+        nxt = []
+        for fqn, mod in frontier:
+            found = [(f"{fqn}.{name}" if fqn else name, child)
+                     for name, child in mod.named_children() if fnmatch.fnmatchcase(name, atom)]
+            if not found:
+                warnings.warn(
+                    f"Parallelize plan key '{'.'.join(atoms[i:])}' could not be resolved: "
+                    f"no submodule matching token '{atom}' in module {mod}, "
+                    f"skipping this plan entry.", stacklevel=3)
+            nxt += found
         frontier = nxt
     return frontier

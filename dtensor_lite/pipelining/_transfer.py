@@ -42,18 +42,24 @@ class TensorMeta:
                 f"{list(self.placements)} (local {list(self.shape)})")
 
 
-def meta_of(t: torch.Tensor, pp_mesh, what: str) -> TensorMeta:
+def meta_of(t: torch.Tensor, pp_mesh, what: str, get_mesh=None) -> TensorMeta:
+    """What the neighbour needs to rebuild ``t``. A DTensor travels as its mesh's dim names: a
+    named slice of the pipeline's own mesh, or (with torch 2.15's ``get_mesh`` callback, for a
+    stage built on a ProcessGroup as torchtitan does) any mesh with dim names the callback
+    resolves on the receiving side."""
     if not isinstance(t, DTensor):
         return TensorMeta(tuple(t.shape), t.dtype, t.requires_grad)
     mesh = t.device_mesh
     names = mesh.mesh_dim_names
-    if getattr(mesh, "_root", None) is not pp_mesh._root or names is None:
+    in_pp_root = getattr(mesh, "_root", None) is pp_mesh._root
+    if names is None or (not in_pp_root and get_mesh is None):
         raise ValueError(f"pipelining: {what} is a DTensor on {mesh!r}, which is not a named "
                          f"slice of the pipeline's mesh {pp_mesh._root!r}; build the stage "
                          "with group=mesh['pp'] and its DTensors on mesh['dp_shard', 'tp'] "
-                         "(or other dims of that mesh)")
+                         "(or other dims of that mesh), or pass get_mesh= (torch's callback "
+                         "from mesh dim names to the mesh)")
     pp_dims = set(pp_mesh.root_dims[0])
-    if any(pp_dims & set(dims) for dims in mesh.root_dims):
+    if in_pp_root and any(pp_dims & set(dims) for dims in mesh.root_dims):
         raise ValueError(f"pipelining: {what} is a DTensor on mesh dims {names}, which include "
                          "the pipeline's own dim; a stage's DTensors live on its stage's "
                          "sub-mesh (the other dims)")
@@ -65,12 +71,19 @@ def local_piece(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def rebuild(piece: torch.Tensor, meta: TensorMeta, pp_mesh) -> torch.Tensor:
+def rebuild(piece: torch.Tensor, meta: TensorMeta, pp_mesh, get_mesh=None) -> torch.Tensor:
     """The received ``piece`` as what the sender had: a plain tensor, or a DTensor on this
-    rank's sub-mesh of the same dims."""
+    rank's mesh of the same dim names (``get_mesh(names, None)`` where the stage was given
+    torch's callback, else the slice of the pipeline's own mesh)."""
     if meta.mesh_dims is None:
         return piece
-    mesh = pp_mesh._root[meta.mesh_dims]
+    if get_mesh is not None:
+        mesh = get_mesh(meta.mesh_dims, None)
+        if mesh is None:
+            raise ValueError(f"pipelining: get_mesh{(meta.mesh_dims, None)} returned None; it "
+                             "must return this rank's mesh of those dim names")
+    else:
+        mesh = pp_mesh._root[meta.mesh_dims]
     return DTensor.from_local(piece, mesh, meta.placements, run_check=False,
                               shape=meta.global_shape, stride=meta.global_stride)
 

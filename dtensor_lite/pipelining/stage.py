@@ -47,6 +47,19 @@ def _pp_mesh(group, device: torch.device) -> DeviceMesh:
     return DeviceMesh.from_group(group, device.type)
 
 
+def _cached_mesh_lookup(get_mesh):
+    if not callable(get_mesh):
+        raise TypeError(f"PipelineStage: get_mesh must be callable (mesh_dim_names, mesh_layout) "
+                        f"-> DeviceMesh, got {type(get_mesh).__name__}")
+    cache: dict = {}
+
+    def lookup(names, layout):
+        if names not in cache:
+            cache[names] = get_mesh(names, layout)
+        return cache[names]
+    return lookup
+
+
 def _as_tuple(value, what: str) -> tuple:
     values = value if isinstance(value, (tuple, list)) else (value,)
     for v in values:
@@ -67,7 +80,12 @@ class PipelineStage:
     ranks) carries plain tensors only. ``input_args`` / ``output_args``: example tensors (or
     tuples) of this stage's inputs / outputs for one micro-batch; optional -- shapes are agreed
     at the first step anyway -- but when given, a neighbour that sends something else is an
-    error naming both. Stage ``s`` must be built on pp rank ``s % pp_size``.
+    error naming both. ``output_grads`` / ``input_grads`` (torch's, examples of the gradients)
+    are accepted and not needed: gradient shapes are agreed at the first step too. ``get_mesh``
+    (torch 2.15's ``GetMeshCallback``, ``(mesh_dim_names, mesh_layout) -> DeviceMesh``): for a
+    stage built on a ProcessGroup (torchtitan's ``pipeline_llm``), how a DTensor received by
+    dim names finds its mesh; we ask it with ``mesh_layout=None``, once per names.
+    Stage ``s`` must be built on pp rank ``s % pp_size``.
 
     Example::
 
@@ -78,7 +96,8 @@ class PipelineStage:
     """
 
     def __init__(self, submodule: nn.Module, stage_index: int, num_stages: int, device,
-                 input_args=None, output_args=None, group=None, dw_builder=None):
+                 input_args=None, output_args=None, output_grads=None, input_grads=None,
+                 group=None, dw_builder=None, get_mesh=None):
         if not isinstance(submodule, nn.Module):
             raise TypeError(f"PipelineStage: submodule must be an nn.Module, got "
                             f"{type(submodule).__name__}")
@@ -96,6 +115,10 @@ class PipelineStage:
         self.num_stages = num_stages
         self.device = torch.device(device)
         self.pp_mesh = _pp_mesh(group, self.device)
+        # torch 2.15's GetMeshCallback (mesh dim names, layout) -> DeviceMesh: how a stage built
+        # on a ProcessGroup (torchtitan's pipeline_llm) finds the mesh of a DTensor it receives;
+        # asked with layout None (our meshes are found by their names), once per names
+        self._get_mesh = _cached_mesh_lookup(get_mesh) if get_mesh is not None else None
         self.group_size = self.pp_mesh.size(0)
         self.group_rank = self.pp_mesh.get_local_rank(0)
         if num_stages % self.group_size:
@@ -123,7 +146,7 @@ class PipelineStage:
     def _declare(self, args, what):
         if args is None:
             return None
-        return [meta_of(t, self.pp_mesh, what) for t in _as_tuple(args, what)]
+        return [meta_of(t, self.pp_mesh, what, self._get_mesh) for t in _as_tuple(args, what)]
 
     @property
     def is_first(self) -> bool:
@@ -154,7 +177,7 @@ class PipelineStage:
         agreed = self.out_meta if kind == ACTIVATION else self.grad_out_meta
         what = "output" if kind == ACTIVATION else "input gradient"
         metas = [None if t is None else meta_of(t, self.pp_mesh, f"stage {self.stage_index}'s "
-                                                f"{what} {i}") for i, t in enumerate(tensors)]
+                                                f"{what} {i}", self._get_mesh) for i, t in enumerate(tensors)]
         pending = []
         if agreed is None and self.dry:
             agreed = metas    # a dry run: nobody receives the shapes (see ``dry``)
@@ -220,7 +243,7 @@ class PipelineStage:
             piece = collectives.recv(meta.shape, meta.dtype, self.pp_mesh, 0, src,
                                      device=self.device, tag=self._tag(kind, from_stage, mb, i))
             # activations arrive as fresh leaves that collect their gradients
-            out.append(_leaf(rebuild(piece, meta, self.pp_mesh),
+            out.append(_leaf(rebuild(piece, meta, self.pp_mesh, self._get_mesh),
                              kind == ACTIVATION and meta.requires_grad))
         return out
 

@@ -87,6 +87,9 @@ class _StepMode(TorchDispatchMode):
         self._born: dict[int, int] = {}    # tracked storage -> when it was created (0: before)
         self.created_order = 0
 
+    # it measures the library itself: its buffers and collectives count (see _unseen.py)
+    sees_dtensor_lite_internals = True
+
     def bytes_created_since(self, mark: int, exclude: set[int]) -> int:
         """Bytes of the storages created after ``mark`` (a ``created_order``) still alive."""
         return sum(self._sizes[k] for k, born in self._born.items()
