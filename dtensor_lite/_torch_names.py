@@ -185,6 +185,13 @@ jit_get_all_schemas = private("torch._C._jit_get_all_schemas")
 disable_dynamo = private("torch._disable_dynamo", lambda fn: fn)
 make_wrapper_subclass = private("torch.Tensor._make_wrapper_subclass")
 autograd_engine = private("torch.autograd.Variable._execution_engine")  # queue_callback
+backend_options = private_class("torch._C._distributed_c10d.Backend.Options")
+# dispatch modes: the stack, and setting the user's modes aside (_unseen.py)
+len_pre_dispatch_stack = private("torch._ops._len_torch_dispatch_stack_pre_dispatch")
+disable_current_modes = private("torch.utils._python_dispatch._disable_current_modes")
+current_dispatch_mode_stack = private("torch.utils._python_dispatch._get_current_dispatch_mode_stack")
+get_dispatch_mode = private("torch._C._get_dispatch_mode")
+dispatch_mode_keys = private("torch._C._TorchDispatchModeKey")
 foreach_norm = private("torch._foreach_norm")
 foreach_mul_ = private("torch._foreach_mul_")
 # torch.utils._pytree: the pytree torch's own APIs flatten with

@@ -29,19 +29,21 @@ import contextlib
 import functools
 
 import torch
-from torch._ops import _len_torch_dispatch_stack_pre_dispatch as _len_pre_dispatch
-from torch.utils._python_dispatch import _disable_current_modes, _get_current_dispatch_mode_stack
+
+from ._torch_names import (current_dispatch_mode_stack as _get_current_dispatch_mode_stack,
+                           disable_current_modes as _disable_current_modes, dispatch_mode_keys,
+                           get_dispatch_mode, len_pre_dispatch_stack as _len_pre_dispatch,
+                           len_torch_dispatch_stack as _len_stack)
 
 __all__ = ["unseen", "unseen_fn"]
 
-_len_stack = torch._C._len_torch_dispatch_stack
-_INFRA = tuple(getattr(torch._C._TorchDispatchModeKey, k) for k in ("FAKE", "PROXY", "FUNCTIONAL")
-               if hasattr(torch._C._TorchDispatchModeKey, k))
+_INFRA = tuple(getattr(dispatch_mode_keys, k) for k in ("FAKE", "PROXY", "FUNCTIONAL")
+               if hasattr(dispatch_mode_keys, k))
 
 
 def _must_see() -> bool:
     """A trace is running, or a mode on the stack measures the library itself."""
-    if any(torch._C._get_dispatch_mode(k) is not None for k in _INFRA):
+    if any(get_dispatch_mode(k) is not None for k in _INFRA):
         return True
     if _len_pre_dispatch():
         return True

@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh as _TorchDeviceMesh
 
 from . import _caches, _failures, _mesh_abort
-from ._torch_names import private
+from ._torch_names import backend_options, private
 
 __all__ = ["DeviceMesh", "init_device_mesh"]
 
@@ -892,7 +892,7 @@ def _backend_overrides(override, ndim: int, names, device_type: str) -> dict:
     if not isinstance(override, dict):
         raise ValueError(f"init_device_mesh: backend_override must be a dict {{mesh dim index or "
                          f"name: backend}}, got {type(override).__name__}")
-    options_type = torch._C._distributed_c10d.Backend.Options
+    options_type = backend_options
     # "fake" (torch's FakeProcessGroup): a dim whose group never communicates, as torchtitan's
     # ParallelDims asks for size-1 and data-loading-only dims; see _register_fake_backend
     allowed = ("gloo", "nccl", "fake") if device_type == "cuda" else ("gloo", "fake")
