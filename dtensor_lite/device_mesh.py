@@ -528,6 +528,8 @@ class DeviceMesh:
         new_root = DeviceMesh(self.device_type, new_root_tensor,
                               mesh_dim_names=_unflatten_root_names(root, self, others, names),
                               _backend_overrides=overrides)
+        # the mesh the world was first built as: join() relates meshes unflattened from it
+        new_root._unflattened_from = root.__dict__.get("_unflattened_from", root)
         for flat_name, dims in root._flat_names.items():
             if all(d in where for d in dims):
                 new_root._flat_names[flat_name] = tuple(where[d] for d in dims)
@@ -695,7 +697,7 @@ class DeviceMesh:
         return sub.reshape(self._shape)
 
     def _join_across_roots(self, other: "DeviceMesh") -> "DeviceMesh":
-        """``join`` of meshes from two roots over the same world, as torchtitan's ParallelDims
+        """``join`` of meshes from two roots unflattened from one mesh, as torchtitan's ParallelDims
         makes them (the world unflattened once into ("pp", "batch", "cp", "tp") and once into
         ("pp", "dp_replicate", "fsdp", "tp"); torch joins them by their rank layouts). The
         joined mesh is well defined when the ranks at (a, b) -- the b-th rank of the ``other``
@@ -707,8 +709,12 @@ class DeviceMesh:
                 "their rank layouts do not form one mesh. Build one mesh over all dims "
                 "(init_device_mesh('cpu', (dp, tp), mesh_dim_names=('dp', 'tp'))) and slice "
                 "both from it (mesh['dp'], mesh['tp'])")
-        if not (self._is_member() and other._is_member()) or \
-                self.device_type != other.device_type:
+        # as torch, only meshes of one origin join (torch: one root mesh; ours: a root and the
+        # roots unflattened from it); two meshes built apart are refused even where their
+        # layouts happen to fit, since nothing says the user meant them as one
+        origin = lambda m: m._root.__dict__.get("_unflattened_from", m._root)  # noqa: E731
+        if origin(self) is not origin(other) or not (self._is_member() and other._is_member()) \
+                or self.device_type != other.device_type:
             raise ValueError(fail)
         key = ("across", other._root, other._root_dims, self._root_dims,
                self.mesh_dim_names, other.mesh_dim_names)
