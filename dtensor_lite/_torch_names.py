@@ -1,6 +1,6 @@
 """The one place where dtensor_lite looks up names that a torch release may add, rename or remove.
 
-A new torch release must cost a table row, not an import error (torch 2.15 removed the aten ops
+A new torch release must cost a table row, not an import error (torch 2.14 removed the aten ops
 ``cholesky`` and ``qr``; importing a rule file that named them stopped the whole library). So:
 
 - ``aten``: stands for ``torch.ops.aten`` in every module of ours. An op this torch has resolves
@@ -25,8 +25,8 @@ import torch
 # tests/test_torch_names.py reports; a listed name that a release from "since" on still has
 # (or an older one lacks) is a wrong row, reported too.
 KNOWN_ABSENT: dict[str, tuple[str, str]] = {
-    "aten.cholesky": ("2.15", "use linalg_cholesky_ex"),
-    "aten.qr": ("2.15", "use linalg_qr"),
+    "aten.cholesky": ("2.14", "use linalg_cholesky_ex"),
+    "aten.qr": ("2.14", "use linalg_qr"),
 }
 
 # every name looked up through this module: "aten.<op>[.<overload>]" or a dotted private path,
