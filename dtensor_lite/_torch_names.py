@@ -41,6 +41,13 @@ def _why_absent(name: str) -> str:
     return "this torch may be outside the supported range (pyproject.toml)"
 
 
+def _absent(name: str, table_key: str | None = None) -> NotImplementedError:
+    """The error of using ``name``, which this torch lacks (one message for ops and names)."""
+    return NotImplementedError(
+        f"{name} does not exist in torch {torch.__version__}, and dtensor_lite needs it here; "
+        f"{_why_absent(table_key or name)} (docs/compatibility.md)")
+
+
 class Missing:
     """An aten op (or overload) this torch does not have. Equal to nothing real; any overload of
     it is Missing too; calling it raises."""
@@ -59,9 +66,7 @@ class Missing:
         return []
 
     def __call__(self, *args, **kwargs):
-        raise NotImplementedError(
-            f"aten.{self.name} does not exist in torch {torch.__version__}; "
-            f"{_why_absent('aten.' + self.name.split('.')[0])}")
+        raise _absent(f"aten.{self.name}", "aten." + self.name.split(".")[0])
 
     def __repr__(self) -> str:
         return f"Missing(aten.{self.name})"
@@ -93,7 +98,7 @@ def is_missing(op) -> bool:
 def find_op(name: str):
     """The aten packet ``name`` where this torch has it, else None: for code that asks *whether*
     an op exists (a ``_copy`` twin, an optional fused kernel), not recorded as a requirement."""
-    return getattr(torch.ops.aten, name, None) if hasattr(torch.ops.aten, name) else None
+    return getattr(torch.ops.aten, name, None)
 
 
 _ABSENT = object()
@@ -132,9 +137,7 @@ class _Unavailable:
         self.path = path
 
     def __call__(self, *args, **kwargs):
-        raise NotImplementedError(
-            f"{self.path} does not exist in torch {torch.__version__}, and dtensor_lite needs it "
-            f"here; {_why_absent(self.path)} (docs/compatibility.md)")
+        raise _absent(self.path)
 
     def __repr__(self) -> str:
         return f"_Unavailable({self.path})"
@@ -146,7 +149,7 @@ class _UnavailableBase:
     _path = "?"
 
     def __init__(self, *args, **kwargs):
-        _Unavailable(self._path)()
+        raise _absent(self._path)
 
 
 def private_class(path: str) -> type:
