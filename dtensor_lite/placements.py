@@ -51,7 +51,31 @@ def chunk_range(length: int, num_chunks: int, index: int) -> tuple[int, int]:
     return start, min(size, length - start)
 
 
-class Placement:
+class _PlacementType(type):
+    """torch's own placement objects are ours by value: ``isinstance(torch_shard, Shard)`` is
+    true, as ``==`` is (``_equal_to_torch``). Code written for torch's DTensor checks
+    ``isinstance(p, Shard)`` on placements that torch 2.15 builds itself (through
+    ``spmd_types``) before any import can be switched -- torchtitan 0.3's placement checks do.
+    Python answers ``isinstance(x, C)`` without calling this when ``type(x) is C``, so our own
+    placements never pay for it."""
+
+    def __instancecheck__(cls, obj):
+        if type.__instancecheck__(cls, obj):
+            return True
+        try:
+            ours = from_torch_placement(obj)
+        except TypeError:  # a torch placement with no equivalent (_MaskPartial, ...)
+            return False
+        return ours is not None and type.__instancecheck__(cls, ours)
+
+
+def is_ours(p) -> bool:
+    """``p`` is one of dtensor_lite's placement objects (not torch's, which ``isinstance``
+    also accepts)."""
+    return issubclass(type(p), Placement)
+
+
+class Placement(metaclass=_PlacementType):
     """Base class of all placements. Use ``Shard``, ``Replicate`` or ``Partial``."""
 
     __slots__ = ("_hash",)
@@ -96,7 +120,7 @@ class Shard(Placement):
         if not isinstance(dim, int) or isinstance(dim, bool):
             raise TypeError(f"Shard(dim) needs an int tensor dimension, got {dim!r}")
         object.__setattr__(self, "dim", dim)
-        object.__setattr__(self, "_hash", hash(("Shard", dim)))
+        object.__setattr__(self, "_hash", hash(dim))  # torch's formula: see _equal_to_torch
 
     def _init_args(self):
         return (self.dim,)
@@ -114,7 +138,9 @@ class Shard(Placement):
         return size, start
 
     def __eq__(self, other):
-        return type(other) is Shard and other.dim == self.dim
+        if type(other) is Shard:
+            return other.dim == self.dim
+        return _equal_to_torch(self, other)
 
     __hash__ = Placement.__hash__  # defining __eq__ would otherwise drop the inherited hash
 
@@ -141,14 +167,15 @@ class _StridedShard(Shard):
         if not isinstance(split_factor, int) or split_factor < 1:
             raise ValueError(f"_StridedShard split_factor must be a positive int, got {split_factor!r}")
         object.__setattr__(self, "split_factor", split_factor)
-        object.__setattr__(self, "_hash", hash(("_StridedShard", dim, split_factor)))
+        object.__setattr__(self, "_hash", hash((dim, split_factor)))
 
     def _init_args(self):
         return (self.dim, self.split_factor)
 
     def __eq__(self, other):
-        return (type(other) is _StridedShard and other.dim == self.dim
-                and other.split_factor == self.split_factor)
+        if type(other) is _StridedShard:
+            return other.dim == self.dim and other.split_factor == self.split_factor
+        return _equal_to_torch(self, other)
 
     __hash__ = Placement.__hash__
 
@@ -165,13 +192,13 @@ class Replicate(Placement):
     __slots__ = ()
 
     def __init__(self):
-        object.__setattr__(self, "_hash", hash("Replicate"))
+        object.__setattr__(self, "_hash", hash(-1))
 
     def is_replicate(self) -> bool:
         return True
 
     def __eq__(self, other):
-        return type(other) is Replicate
+        return type(other) is Replicate or _equal_to_torch(self, other)
 
     __hash__ = Placement.__hash__
 
@@ -206,7 +233,7 @@ class Partial(Placement):
             raise ValueError(
                 f"Partial reduce_op must be one of {REDUCE_OPS}, got {reduce_op!r}")
         object.__setattr__(self, "reduce_op", reduce_op)
-        object.__setattr__(self, "_hash", hash(("Partial", reduce_op)))
+        object.__setattr__(self, "_hash", 1 + hash(reduce_op))
 
     def _init_args(self):
         return (self.reduce_op,)
@@ -220,7 +247,9 @@ class Partial(Placement):
         return self.reduce_op in LINEAR_REDUCE_OPS
 
     def __eq__(self, other):
-        return type(other) is Partial and other.reduce_op == self.reduce_op
+        if type(other) is Partial:
+            return other.reduce_op == self.reduce_op
+        return _equal_to_torch(self, other)
 
     __hash__ = Placement.__hash__
 
@@ -262,6 +291,21 @@ def from_torch_placement(p) -> Placement | None:
         "equivalent; use Shard(dim), Replicate(), Partial(reduce_op) or _StridedShard")
 
 
+def _equal_to_torch(ours: Placement, other) -> bool:
+    """``ours == other`` for an ``other`` that is not one of our placements: equal by value to
+    torch's own placement objects, so code comparing placements it built through torch
+    (torchtitan's ``placements != expected``; torch 2.15 builds them through ``spmd_types``)
+    with a DTensor's gets the answer torch would give. torch's ``__eq__`` returns
+    ``NotImplemented`` for our objects, so Python asks this one in both orders; the hashes
+    follow torch's formulas (``hash(dim)``, ``-1``, ``1 + hash(reduce_op)``) so equal
+    placements of either library are one dict key."""
+    try:
+        theirs = from_torch_placement(other)
+    except TypeError:  # a torch placement with no equivalent (_MaskPartial, ...)
+        return False
+    return theirs is not None and theirs == ours
+
+
 def as_placement(p, what: str = "placement") -> Placement:
     """``p`` as a dtensor_lite placement: ours as they are; torch's own
     ``torch.distributed.tensor`` ``Shard`` / ``Replicate`` / ``Partial`` (with its ``reduce_op``)
@@ -273,7 +317,7 @@ def as_placement(p, what: str = "placement") -> Placement:
         >>> as_placement(tdt.Shard(0)), as_placement(tdt.Partial("avg"))
         (Shard(dim=0), Partial(avg))
     """
-    if isinstance(p, Placement):
+    if is_ours(p):
         return p
     ours = from_torch_placement(p)
     if ours is None:
@@ -291,7 +335,7 @@ def torch_placements_to_ours(obj):
         if all(a is b for a, b in zip(converted, obj)):
             return obj
         return type(obj)(converted) if type(obj) in (list, tuple) else tuple(converted)
-    if isinstance(obj, Placement) or obj is None:
+    if is_ours(obj) or obj is None:
         return obj
     ours = from_torch_placement(obj)
     return obj if ours is None else ours

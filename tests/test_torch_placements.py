@@ -34,6 +34,39 @@ def test_as_placement_converts_by_value():
         as_placement(3)
 
 
+TORCH_AND_OURS = [
+    (tdt.Shard(0), Shard(0)), (tdt.Shard(1), Shard(1)), (tdt.Shard(-1), Shard(-1)),
+    (tdt.Replicate(), Replicate()),
+    *[(tdt.Partial(op), Partial(op)) for op in ("sum", "avg", "max", "min")],
+    (TorchStridedShard(0, split_factor=2), _StridedShard(0, 2)),
+]
+
+
+@pytest.mark.parametrize("theirs,ours", TORCH_AND_OURS, ids=repr)
+def test_torch_placements_equal_ours_by_value_in_both_orders(theirs, ours):
+    # torchtitan 0.3 compares the placements it builds through torch (spmd_types) with a
+    # DTensor's: `value.placements != expected`, and `isinstance(p, Shard)` before normalising
+    assert ours == theirs and not ours != theirs
+    assert (ours,) == (theirs,) and [ours] == [theirs]
+    assert hash(ours) == hash(theirs) and {ours: 1}[theirs] == 1  # one dict key
+    assert isinstance(theirs, type(ours)) and isinstance(theirs, dl.Placement)
+    if type(theirs) is not TorchStridedShard:  # torch's _StridedShard.__eq__ answers False
+        assert theirs == ours and not theirs != ours  # itself instead of NotImplemented
+
+
+def test_torch_placements_differ_from_other_placements_of_ours():
+    for theirs, ours in TORCH_AND_OURS:
+        for _, other in TORCH_AND_OURS:
+            if other is not ours:
+                assert (other == theirs) is (other == ours)
+    assert not isinstance(tdt.Replicate(), Shard) and not isinstance(tdt.Shard(0), Partial)
+    assert not isinstance(tdt.Shard(0), _StridedShard)
+    assert isinstance(TorchStridedShard(0, split_factor=2), Shard)  # a Shard, as ours is
+    from torch.distributed.tensor.placement_types import _MaskPartial
+    assert not isinstance(_MaskPartial(), Partial) and Partial() != _MaskPartial()
+    assert Shard(0) != 0 and Replicate() != "Replicate" and not isinstance(0, Shard)
+
+
 def test_torch_internal_placements_without_an_equivalent_are_refused():
     from torch.distributed.tensor.placement_types import _MaskPartial
     with pytest.raises(TypeError, match="_MaskPartial.*no dtensor_lite equivalent"):
