@@ -16,6 +16,8 @@ import torch.nn as nn
 from dtensor_lite import DTensor, DeviceMesh
 from dtensor_lite.spec import DTensorSpec
 
+from .spmd_types_params import is_annotated, storage_placements
+
 __all__ = ["DataParallelMeshDims", "data_parallel_mesh", "non_dp_mesh", "param_off_dp_dims",
            "in_mesh_order"]
 
@@ -106,9 +108,17 @@ def non_dp_mesh(mesh: DeviceMesh, dims: DataParallelMeshDims) -> DeviceMesh | No
 
 def param_off_dp_dims(param, where: str, mesh: DeviceMesh, dims: DataParallelMeshDims,
                       rest: DeviceMesh | None) -> nn.Parameter:
-    """``param`` (a DTensor on ``mesh``, Replicate on each data-parallel dim) as the same local
-    data on ``rest`` = :func:`non_dp_mesh` (a plain tensor when that is ``None``): what the
-    sliced-mesh path takes."""
+    """``param`` (a DTensor on ``mesh``, Replicate on each data-parallel dim; or a plain tensor
+    with a ``spmd_types`` annotation saying that) as the same local data on ``rest`` =
+    :func:`non_dp_mesh` (a plain tensor when that is ``None``): what the sliced-mesh path
+    takes."""
+    compute = None
+    if is_annotated(param):
+        # spmd_types' plain local piece: stored as the DTensor its annotation describes
+        placements, compute = storage_placements(
+            param, where, mesh, set(dims.shard_names + dims.replicate_names))
+        param = DTensor.from_local(param.detach(), mesh, placements,
+                                   run_check=False).requires_grad_(param.requires_grad)
     if not isinstance(param, DTensor) or param.device_mesh != mesh:
         got = (f"a DTensor on {param.device_mesh!r}" if isinstance(param, DTensor)
                else f"a plain {type(param).__name__}")
@@ -131,7 +141,10 @@ def param_off_dp_dims(param, where: str, mesh: DeviceMesh, dims: DataParallelMes
         keep = [names.index(n) for n in rest.mesh_dim_names]
         local = DTensor(local, respec(param._spec, rest, keep))
     # else replicated on every dim: the local tensor is the whole parameter
-    return nn.Parameter(local, requires_grad=param.requires_grad)
+    new = nn.Parameter(local, requires_grad=param.requires_grad)
+    if compute is not None:
+        new._dtl_spmd_compute = compute  # FSDPParam: modules see plain pieces again
+    return new
 
 
 def respec(spec: DTensorSpec, mesh: DeviceMesh, dims: list[int]) -> DTensorSpec:

@@ -58,6 +58,11 @@ class FSDPParam:
         # hands modules the gathered piece as a DTensor with the TP layout again
         self.tp_spec: DTensorSpec | None = param._spec if isinstance(param, DTensor) else None
         self.tp_visible = self.tp_spec is not None
+        # a spmd_types-annotated parameter (fsdp/spmd_types_params.py): modules compute on
+        # plain pieces, so the TP layout is FSDP's business only
+        self.spmd_compute = getattr(param, "_dtl_spmd_compute", None)
+        if self.spmd_compute is not None:
+            self.tp_visible = False
         if self.tp_spec is None and replicate_over is not None:
             # a plain parameter next to TP ones (a norm without sequence parallelism): it is
             # replicated over the TP dims, so say so and live on the same mesh as its neighbours
@@ -80,7 +85,7 @@ class FSDPParam:
     def _shard(self, param: nn.Parameter) -> nn.Parameter:
         info = self.mesh_info
         data = param.detach()
-        if self.tp_visible:
+        if isinstance(data, DTensor):
             data = data.to_local()  # this rank's TP piece is what the dp dims shard
         if data.device.type not in ("meta", self.device.type):
             data = data.to(self.device)
@@ -125,6 +130,8 @@ class FSDPParam:
         or for a TP parameter a DTensor with the TP layout around it (differentiable: the
         gradient comes back as this rank's TP piece, reduced over TP where it was Partial)."""
         tp = self.tp_spec
+        if self.spmd_compute is not None:
+            return self.spmd_compute.view(unsharded, tp)
         if not self.tp_visible:
             return unsharded
         return DTensor.from_local(unsharded, tp.mesh, tp.public_placements(), shape=tp.shape,
