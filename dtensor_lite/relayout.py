@@ -3,8 +3,8 @@
 on other ranks), in buckets -- RL weight sync (trainer -> rollout engine) and elastic resize.
 
 Each destination tensor is filled from one source tensor, or from several (a fused destination:
-``qkv`` from ``q``, ``k``, ``v`` concatenated along a dim) -- each source then fills a region of
-it. What moves is the cross-mesh plan of each (source, destination region) pair
+``qkv`` from ``q``, ``k``, ``v`` concatenated along a dim, globally or per rank as inference
+engines hold it: ``relayout_fused.py``) -- each source then fills a region of it. What moves is the cross-mesh plan of each (source, destination region) pair
 (``redistribute.cross_mesh``): per (source rank, destination rank) the index boxes one holds and
 the other needs, nothing else. Tensors are grouped into buckets whose largest per-rank send or
 receive stays within ``bucket_bytes``; a bucket is ONE message per rank pair (its boxes
@@ -21,7 +21,7 @@ Example::
 
     >>> plan = plan_relayout(trainer_model, rollout_model, dtype=torch.bfloat16,
     ...                      fused={"attn.qkv.weight": Concat(["attn.q.weight", "attn.k.weight",
-    ...                                                        "attn.v.weight"], dim=0)})
+    ...                                                        "attn.v.weight"], per_rank=True)})
     >>> print(plan.report())          # bytes per rank pair, buckets, peak extra memory
     >>> plan.run(trainer_model, rollout_model)   # every rank of the world calls it
 """
@@ -37,19 +37,15 @@ from . import collectives as C
 from .dtensor import DTensor, default_mesh
 from .placements import Replicate
 from .redistribute.cross_mesh import (box_volume, box_slices, check_meshes, mesh_instances,
-                                      plan_cross_mesh, reduced_source, shift_box)
+                                      plan_cross_mesh, reduced_source)
+from .relayout_fused import (Concat, check_per_rank_sizes, concat_layout, part_specs,
+                             per_rank_view)
 from .redistribute.entry import redistribute_local
 from .spec import DTensorSpec, TensorMeta
 
 __all__ = ["Concat", "RelayoutPlan", "plan_relayout", "relayout_", "relayout_optimizer_state_"]
 
 DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
-
-
-class Concat(NamedTuple):
-    """A fused destination tensor: the source tensors ``names`` concatenated along ``dim``."""
-    names: list
-    dim: int = 0
 
 
 class _Move(NamedTuple):
@@ -60,6 +56,8 @@ class _Move(NamedTuple):
     dst: DTensorSpec
     region: tuple | None  # (dim, offset) in the destination; None: the whole of it
     plan: object          # CrossMeshPlan
+    parts: tuple | None = None  # per-rank fused: every source's part spec (relayout_fused)
+    index: int = 0              # which of them this move fills
 
 
 def _tensors(obj) -> dict:
@@ -273,14 +271,14 @@ class RelayoutPlan:
         cursor = {a: 0 for a in received}
         for m in moves:
             out = dsts[m.dst_name]
-            if out._spec.mesh.get_coordinate() is None:
+            target = _target(m, out)
+            if target is None:
                 continue
-            piece = out._local_tensor
-            dst_offset = out._spec.local_shape_and_offset()[1]
+            view, dst_offset = target
             local, src_offset = local_src[id(m)]
             for box in m.plan.local.get(me, ()):
-                piece[box_slices(shift_box(box, m.region), dst_offset)] = \
-                    local[box_slices(box, src_offset)].to(piece.dtype)
+                view[box_slices(box, dst_offset)] = \
+                    local[box_slices(box, src_offset)].to(view.dtype)
             for (a, b), boxes in m.plan.pairs.items():
                 if b != me:
                     continue
@@ -288,10 +286,27 @@ class RelayoutPlan:
                 for box in boxes:
                     n = box_volume(box)
                     start = cursor[a]
-                    piece[box_slices(shift_box(box, m.region), dst_offset)] = \
-                        flat[start:start + n].reshape([e - s for s, e in box]).to(piece.dtype)
+                    view[box_slices(box, dst_offset)] = \
+                        flat[start:start + n].reshape([e - s for s, e in box]).to(view.dtype)
                     cursor[a] = start + n
         _release(received.values())
+
+
+def _target(m: _Move, out):
+    """(the view of this rank's destination piece that move ``m`` writes, the global offset of
+    its first element in the source's coordinates), so a source box ``box`` lands at
+    ``view[box_slices(box, offset)]``; None on a rank outside the destination's mesh."""
+    coord = out._spec.mesh.get_coordinate()
+    if coord is None:
+        return None
+    piece = out._local_tensor
+    if m.parts is not None:
+        return per_rank_view(piece, coord, m.region[0], m.parts, m.index)
+    offset = list(out._spec.local_shape_and_offset()[1])
+    if m.region is not None:  # a global concatenation: the source starts ``offset`` rows in
+        dim, start = m.region
+        offset[dim] -= start
+    return piece, offset
 
 
 def _release(buffers) -> None:
@@ -349,7 +364,9 @@ def _fingerprint(moves, options) -> int:
                 meshes[id(mesh)] = f"{mesh.device_type}{[t.tolist() for t in mesh_instances(mesh)]}"
             parts.append(f"{meshes[id(mesh)]}{spec.placements}{spec.shard_order}"
                          f"{tuple(spec.shape)}{spec.dtype}")
-        parts.append(f"{m.src_name}>{m.dst_name}@{m.region}")
+        parts.append(f"{m.src_name}>{m.dst_name}@{m.region}"
+                     + (f"/per-rank {m.index} of {[tuple(p.shape) for p in m.parts]}"
+                        if m.parts else ""))
     return zlib.crc32("|".join(parts).encode()) & 0x7FFFFFFF
 
 
@@ -375,8 +392,9 @@ def plan_relayout(src, dst, *, name_map: dict | Callable | None = None,
 
     ``name_map``: destination name -> source name (a dict or a function; default: the same
     name). ``fused``: destination name -> :class:`Concat` of source names (``qkv`` from ``q``,
-    ``k``, ``v``): each source fills its rows, and only the bytes each destination rank needs
-    move. ``dtype``: the wire dtype, cast before sending (the destination tensors must have it;
+    ``k``, ``v``): each source fills its rows -- of the global tensor (``per_rank=False``) or of
+    each rank's piece (``per_rank=True``, the inference engines' layout) -- and only the bytes
+    each destination rank needs move. ``dtype``: the wire dtype, cast before sending (the destination tensors must have it;
     default: the source's, which must then equal the destination's). ``bucket_bytes``: the most
     bytes a rank sends (or receives) per bucket.
     """
@@ -387,17 +405,16 @@ def plan_relayout(src, dst, *, name_map: dict | Callable | None = None,
     moves = []
     for dst_name, d in dsts.items():
         dspec = _spec_of(dst_name, d)
+        per_rank = False
         if dst_name in fused:
             cat = fused[dst_name]
-            if not isinstance(cat, Concat):
-                raise TypeError(f"relayout: fused[{dst_name!r}] must be a Concat(names, dim), "
-                                f"got {cat!r}")
+            per_rank = concat_layout(dst_name, cat, dspec)
             sources, dim = list(cat.names), cat.dim % max(dspec.ndim, 1)
         else:
             mapped = name_map(dst_name) if callable(name_map) else \
                 (name_map or {}).get(dst_name, dst_name)
             sources, dim = [mapped], None
-        offset = 0
+        sspecs = []
         for src_name in sources:
             if src_name not in srcs:
                 raise KeyError(f"relayout: destination {dst_name!r} needs source {src_name!r}, "
@@ -410,26 +427,40 @@ def plan_relayout(src, dst, *, name_map: dict | Callable | None = None,
                 raise ValueError(
                     f"relayout: {src_name!r} is {sspec.dtype} and destination {dst_name!r} is "
                     f"{dspec.dtype}; pass dtype={dspec.dtype} to cast on the way")
-            region = None
             if dim is not None:
                 expect = list(dspec.shape)
                 expect[dim] = sspec.shape[dim] if sspec.ndim == dspec.ndim else -1
                 if list(sspec.shape) != expect:
                     raise ValueError(
                         f"relayout: fused {dst_name!r} {tuple(dspec.shape)} cannot hold "
-                        f"{src_name!r} {tuple(sspec.shape)} along dim {dim}")
-                region = (dim, offset)
-                offset += sspec.shape[dim]
+                        f"{src_name!r} {tuple(sspec.shape)} along dim {dim} (every other dim "
+                        "must match)")
             elif tuple(sspec.shape) != tuple(dspec.shape):
                 raise ValueError(f"relayout: shape mismatch: source {src_name!r} is "
                                  f"{tuple(sspec.shape)}, destination {dst_name!r} is "
                                  f"{tuple(dspec.shape)}")
-            travel = _with_dtype(reduced_source(sspec), wire)
-            plan = plan_cross_mesh(travel, _with_dtype(dspec, wire), region)
-            moves.append(_Move(dst_name, src_name, travel, dspec, region, plan))
-        if dim is not None and offset != dspec.shape[dim]:
+            sspecs.append(sspec)
+        if dim is not None and sum(s.shape[dim] for s in sspecs) != dspec.shape[dim]:
             raise ValueError(f"relayout: fused {dst_name!r} has {dspec.shape[dim]} rows along "
-                             f"dim {dim} but its sources {sources} fill {offset}")
+                             f"dim {dim} but its sources {sources} have "
+                             f"{[s.shape[dim] for s in sspecs]} (sum "
+                             f"{sum(s.shape[dim] for s in sspecs)}); the sizes must add up")
+        parts = part_specs(dspec, sspecs) if per_rank else None
+        if per_rank:
+            check_per_rank_sizes(dst_name, dspec, dim, sources, parts)
+        offset = 0
+        for i, (src_name, sspec) in enumerate(zip(sources, sspecs)):
+            wire = dtype or sspec.dtype
+            travel = _with_dtype(reduced_source(sspec), wire)
+            if per_rank:
+                region = (dim, None)
+                plan = plan_cross_mesh(travel, _with_dtype(parts[i], wire))
+            else:
+                region = None if dim is None else (dim, offset)
+                plan = plan_cross_mesh(travel, _with_dtype(dspec, wire), region)
+            moves.append(_Move(dst_name, src_name, travel, dspec, region, plan, parts, i))
+            if dim is not None:
+                offset += sspec.shape[dim]
     return RelayoutPlan(moves, _buckets(moves, bucket_bytes), bucket_bytes, dtype)
 
 

@@ -110,7 +110,7 @@ def test_fused_qkv_moves_only_needed_bytes():
     src = {n: distribute_tensor(t, A, [Shard(0)]) for n, t in
            (("wq", q), ("wk", k), ("wv", v))}
     dst = {"qkv": distribute_tensor(torch.zeros(16, 6), B, [Shard(0)])}
-    fused = {"qkv": Concat(["wq", "wk", "wv"], dim=0)}
+    fused = {"qkv": Concat(["wq", "wk", "wv"], dim=0, per_rank=False)}
     plan = plan_relayout(src, dst, fused=fused)
     report = plan.report()
     assert "bytes per rank pair" in report and "peak extra memory" in report
@@ -253,7 +253,7 @@ def test_fsdp_q_k_v_into_a_fused_tp_qkv_model_outputs_equal_one_process():
     dst = _QKV(8, fused=True)
     parallelize_module(dst, DeviceMesh("cpu", [1, 2]), {"qkv": ColwiseParallel(
         output_layouts=Replicate())})
-    fused = {f"qkv.{w}": Concat([f"q.{w}", f"k.{w}", f"v.{w}"], dim=0)
+    fused = {f"qkv.{w}": Concat([f"q.{w}", f"k.{w}", f"v.{w}"], dim=0, per_rank=False)
              for w in ("weight", "bias")}
     relayout_(src, dst, fused=fused)
     x = torch.randn(3, 8)
