@@ -231,16 +231,12 @@ class RelayoutPlan:
         recvs: dict = {}
         local_src = {}
         send_numel: dict = {}
+        device = None  # where this rank's pieces live (its wire buffers go there too)
         for m in moves:
-            t = srcs[m.src_name]
-            local = t._local_tensor
-            spec = t._spec
-            reduced = reduced_source(spec)
-            if reduced is not spec:  # a Partial source: reduced inside its mesh first
-                local = redistribute_local(local, spec, reduced)
-            coord = reduced.mesh.get_coordinate()
-            offset = reduced.local_shape_and_offset()[1] if coord is not None else None
+            local, offset = _source_piece(m, srcs[m.src_name], me)
             local_src[id(m)] = (local, offset)
+            if local is not None and device is None:
+                device = local.device
             for (a, b), boxes in m.plan.pairs.items():
                 numel = sum(box_volume(box) for box in boxes)
                 if a == me:
@@ -251,7 +247,7 @@ class RelayoutPlan:
         # one buffer per peer in the wire dtype, filled in place: the cast happens in the copy,
         # before sending, and no piece is held twice
         wire = moves[0].src.dtype
-        flat_sends = {b: torch.empty(n, dtype=wire, device=local.device)
+        flat_sends = {b: torch.empty(n, dtype=wire, device=device)
                       for b, n in send_numel.items()}
         fill = dict.fromkeys(flat_sends, 0)
         for m in moves:
@@ -264,14 +260,15 @@ class RelayoutPlan:
                     flat_sends[b][fill[b]:fill[b] + n].view(
                         [e - s for s, e in box]).copy_(local[box_slices(box, offset)])
                     fill[b] += n
-        device = next(iter(dsts.values())).device if dsts else torch.device("cpu")
+        device = next((t.device for t in dsts.values() if isinstance(t, torch.Tensor)),
+                      device or torch.device("cpu"))
         received = C.exchange_pieces(flat_sends, recvs, device) if flat_sends or recvs else {}
         _release(flat_sends.values())
         del flat_sends
         cursor = {a: 0 for a in received}
         for m in moves:
             out = dsts[m.dst_name]
-            target = _target(m, out)
+            target = _target(m, out, me)
             if target is None:
                 continue
             view, dst_offset = target
@@ -292,10 +289,37 @@ class RelayoutPlan:
         _release(received.values())
 
 
-def _target(m: _Move, out):
+def _source_piece(m: _Move, t, me: int):
+    """(this rank's piece of source ``t`` -- Partial dims reduced inside its mesh -- and its
+    global offset), or (None, None) where this rank holds none of it (outside its mesh, or
+    ``t`` is only described: ``describe.describe``)."""
+    if isinstance(t, DTensorSpec):
+        if any(a == me for a, _ in m.plan.pairs) or m.plan.local.get(me):
+            raise ValueError(
+                f"relayout.run: rank {me} holds part of source {m.src_name!r} "
+                f"({list(t.placements)} on {t.mesh}) but was given only its description; pass "
+                "the DTensor itself on the ranks of its mesh")
+        return None, None
+    local, spec = t._local_tensor, t._spec
+    reduced = reduced_source(spec)
+    if reduced is not spec:  # a Partial source: reduced inside its mesh first
+        local = redistribute_local(local, spec, reduced)
+    if reduced.mesh.get_coordinate() is None:
+        return None, None
+    return local, reduced.local_shape_and_offset()[1]
+
+
+def _target(m: _Move, out, me: int):
     """(the view of this rank's destination piece that move ``m`` writes, the global offset of
     its first element in the source's coordinates), so a source box ``box`` lands at
-    ``view[box_slices(box, offset)]``; None on a rank outside the destination's mesh."""
+    ``view[box_slices(box, offset)]``; None where this rank holds none of the destination."""
+    if isinstance(out, DTensorSpec):
+        if any(b == me for _, b in m.plan.pairs) or m.plan.local.get(me):
+            raise ValueError(
+                f"relayout.run: rank {me} holds part of destination {m.dst_name!r} "
+                f"({list(out.placements)} on {out.mesh}) but was given only its description; "
+                "pass the DTensor (the buffer to fill) on the ranks of its mesh")
+        return None
     coord = out._spec.mesh.get_coordinate()
     if coord is None:
         return None
