@@ -289,16 +289,23 @@ class RelayoutPlan:
         _release(received.values())
 
 
+def _only_described(m: _Move, spec: DTensorSpec, me: int, side: str, name: str,
+                    exchanges: bool) -> None:
+    """A tensor given by its description only (``describe``) is fine on a rank that moves none
+    of it; a rank that must send or receive its bytes needs the DTensor itself."""
+    if exchanges or m.plan.local.get(me):
+        raise ValueError(
+            f"relayout.run: rank {me} holds part of {side} {name!r} ({list(spec.placements)} on "
+            f"{spec.mesh}) but was given only its description; pass the DTensor itself on the "
+            "ranks of its mesh")
+
+
 def _source_piece(m: _Move, t, me: int):
     """(this rank's piece of source ``t`` -- Partial dims reduced inside its mesh -- and its
     global offset), or (None, None) where this rank holds none of it (outside its mesh, or
     ``t`` is only described: ``describe.describe``)."""
     if isinstance(t, DTensorSpec):
-        if any(a == me for a, _ in m.plan.pairs) or m.plan.local.get(me):
-            raise ValueError(
-                f"relayout.run: rank {me} holds part of source {m.src_name!r} "
-                f"({list(t.placements)} on {t.mesh}) but was given only its description; pass "
-                "the DTensor itself on the ranks of its mesh")
+        _only_described(m, t, me, "source", m.src_name, any(a == me for a, _ in m.plan.pairs))
         return None, None
     local, spec = t._local_tensor, t._spec
     reduced = reduced_source(spec)
@@ -314,11 +321,8 @@ def _target(m: _Move, out, me: int):
     its first element in the source's coordinates), so a source box ``box`` lands at
     ``view[box_slices(box, offset)]``; None where this rank holds none of the destination."""
     if isinstance(out, DTensorSpec):
-        if any(b == me for _, b in m.plan.pairs) or m.plan.local.get(me):
-            raise ValueError(
-                f"relayout.run: rank {me} holds part of destination {m.dst_name!r} "
-                f"({list(out.placements)} on {out.mesh}) but was given only its description; "
-                "pass the DTensor (the buffer to fill) on the ranks of its mesh")
+        _only_described(m, out, me, "destination", m.dst_name,
+                        any(b == me for _, b in m.plan.pairs))
         return None
     coord = out._spec.mesh.get_coordinate()
     if coord is None:
