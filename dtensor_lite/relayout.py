@@ -9,8 +9,10 @@ engines hold it: ``relayout_fused.py``) -- each source then fills a region of it
 the other needs, nothing else. Tensors are grouped into buckets whose largest per-rank send or
 receive stays within ``bucket_bytes``; a bucket is ONE message per rank pair (its boxes
 concatenated), cast to the wire dtype *before* sending, written into the destination's local
-pieces in place. So the extra memory of a rank is at most one bucket of send buffers plus one of
-receive buffers (a tensor larger than the bucket is a bucket of its own).
+pieces in place. The next bucket is in flight while the last is unpacked, so the extra memory of
+a rank is at most one bucket's receive buffers plus the next one's send and receive buffers (a
+tensor larger than the bucket is a bucket of its own). The default bucket is a fraction of the
+busiest rank's traffic (``AUTO_BUCKET_FRACTION``): no tuning.
 
 Everything is decided from metadata (names, shapes, dtypes, meshes, placements) that every rank
 has, so ``RelayoutPlan.report()`` is a dry run that needs no data; before moving anything the
@@ -45,7 +47,17 @@ from .spec import DTensorSpec, TensorMeta
 
 __all__ = ["Concat", "RelayoutPlan", "plan_relayout", "relayout_", "relayout_optimizer_state_"]
 
-DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
+# The default bucket (``bucket_bytes=None``): 1/32 of the most any rank sends or receives over
+# the whole relayout, within [1 MiB, 256 MiB]. Why: buckets overlap (one in flight while the
+# last is unpacked), so a rank holds at most 3 buckets of wire buffers at once -- under 10% of
+# what it receives, i.e. of the destination weights it already holds, whatever the model's size
+# (an engine that fits its weights fits the sync). ~32 buckets keep the per-bucket costs (one
+# message per peer, one pack / unpack pass) small against the bytes, and overlapping hides the
+# unpacking. The floor keeps messages large enough that latency does not dominate; the cap bounds
+# the headroom in absolute terms on GPUs whose memory an engine gives to its KV cache.
+AUTO_BUCKET_FRACTION = 32
+AUTO_BUCKET_MIN = 1 << 20
+AUTO_BUCKET_MAX = 256 << 20
 
 
 class _Move(NamedTuple):
@@ -142,12 +154,16 @@ class RelayoutPlan:
         return self._per_rank(0, moves), self._per_rank(1, moves)
 
     def peak_extra_bytes(self) -> dict:
-        """{rank: the most bytes of send + receive buffers it holds at once} (one bucket's)."""
+        """{rank: the most bytes of wire buffers it holds at once}: buckets overlap, so bucket
+        k's receive buffers (being unpacked) beside bucket k+1's send and receive buffers."""
         peak: dict = {}
+        prev_recv: dict = {}
         for k in range(len(self.buckets)):
             sent, recv = self.bucket_traffic(k)
-            for r in set(sent) | set(recv):
-                peak[r] = max(peak.get(r, 0), sent.get(r, 0) + recv.get(r, 0))
+            for r in set(sent) | set(recv) | set(prev_recv):
+                held = prev_recv.get(r, 0) + sent.get(r, 0) + recv.get(r, 0)
+                peak[r] = max(peak.get(r, 0), held)
+            prev_recv = recv
         return peak
 
     def link_bytes(self, gpus_per_node: int) -> dict:
@@ -194,7 +210,8 @@ class RelayoutPlan:
         peak = self.peak_extra_bytes()
         if peak:
             worst = max(peak, key=peak.get)
-            lines.append("peak extra memory (send + receive buffers of one bucket): "
+            lines.append("peak extra memory (one bucket's receive buffers + the next one's send "
+                         "and receive buffers): "
                          f"at most {_mb(peak[worst])} (rank {worst})"
                          + ("; per rank: " + ", ".join(f"{r}: {_mb(n)}" for r, n in
                                                       sorted(peak.items()))
@@ -223,70 +240,94 @@ class RelayoutPlan:
             if tuple(dsts[m.dst_name].shape) != tuple(m.dst.shape):
                 raise ValueError(f"relayout.run: {m.dst_name!r} has shape "
                                  f"{tuple(dsts[m.dst_name].shape)}, planned {tuple(m.dst.shape)}")
-        for bucket in self.buckets:
-            self._run_bucket([self.moves[i] for i in bucket], srcs, dsts)
-
-    def _run_bucket(self, moves, srcs, dsts):
         me = torch.distributed.get_rank()
-        recvs: dict = {}
-        local_src = {}
-        send_numel: dict = {}
-        device = None  # where this rank's pieces live (its wire buffers go there too)
-        for m in moves:
-            local, offset = _source_piece(m, srcs[m.src_name], me)
-            local_src[id(m)] = (local, offset)
-            if local is not None and device is None:
-                device = local.device
-            for (a, b), boxes in m.plan.pairs.items():
-                numel = sum(box_volume(box) for box in boxes)
-                if a == me:
-                    send_numel[b] = send_numel.get(b, 0) + numel
-                if b == me:
-                    n, dtype = recvs.get(a, (0, m.src.dtype))
-                    recvs[a] = (n + numel, dtype)
-        # one buffer per peer in the wire dtype, filled in place: the cast happens in the copy,
-        # before sending, and no piece is held twice
-        wire = moves[0].src.dtype
-        flat_sends = {b: torch.empty(n, dtype=wire, device=device)
-                      for b, n in send_numel.items()}
-        fill = dict.fromkeys(flat_sends, 0)
-        for m in moves:
-            local, offset = local_src[id(m)]
-            for (a, b), boxes in m.plan.pairs.items():
-                if a != me:
-                    continue
-                for box in boxes:
-                    n = box_volume(box)
-                    flat_sends[b][fill[b]:fill[b] + n].view(
-                        [e - s for s, e in box]).copy_(local[box_slices(box, offset)])
-                    fill[b] += n
-        device = next((t.device for t in dsts.values() if isinstance(t, torch.Tensor)),
-                      device or torch.device("cpu"))
-        received = C.exchange_pieces(flat_sends, recvs, device) if flat_sends or recvs else {}
-        _release(flat_sends.values())
-        del flat_sends
-        cursor = {a: 0 for a in received}
-        for m in moves:
-            out = dsts[m.dst_name]
-            target = _target(m, out, me)
-            if target is None:
+        # Bucket k+1 is in flight while bucket k is unpacked. Bucket k's exchange is waited (its
+        # send buffers freed) before k+1's are packed, so a rank holds at most bucket k's
+        # receive buffers and k+1's send and receive buffers at once (peak_extra_bytes).
+        in_flight = None  # (moves, pending exchange, send buffers, source pieces)
+        for bucket in self.buckets:
+            moves = [self.moves[i] for i in bucket]
+            received = self._finish(in_flight)
+            local_src, sends, recvs, device = _pack(moves, srcs, dsts, me)
+            pending = C.exchange_pieces(sends, recvs, device, async_op=True)
+            if in_flight is not None:
+                _unpack(in_flight[0], received, in_flight[3], dsts, me)
+            in_flight = (moves, pending, sends, local_src)
+        if in_flight is not None:
+            _unpack(in_flight[0], self._finish(in_flight), in_flight[3], dsts, me)
+
+    @staticmethod
+    def _finish(in_flight) -> dict:
+        """Wait for a bucket's exchange; free its send buffers; return what it received."""
+        if in_flight is None:
+            return {}
+        received = in_flight[1].wait()
+        _release(in_flight[2].values())
+        in_flight[2].clear()
+        return received
+
+
+def _pack(moves, srcs, dsts, me: int):
+    """(source pieces, {peer: 1-D send buffer}, {peer: (numel, dtype) to receive}, device) of
+    one bucket: one buffer per peer in the wire dtype, filled in place -- the cast happens in the
+    copy, before sending, and no piece is held twice."""
+    recvs: dict = {}
+    local_src = {}
+    send_numel: dict = {}
+    device = None  # where this rank's pieces live (its wire buffers go there too)
+    for m in moves:
+        local, offset = _source_piece(m, srcs[m.src_name], me)
+        local_src[id(m)] = (local, offset)
+        if local is not None and device is None:
+            device = local.device
+        for (a, b), boxes in m.plan.pairs.items():
+            numel = sum(box_volume(box) for box in boxes)
+            if a == me:
+                send_numel[b] = send_numel.get(b, 0) + numel
+            if b == me:
+                n, dtype = recvs.get(a, (0, m.src.dtype))
+                recvs[a] = (n + numel, dtype)
+    wire = moves[0].src.dtype
+    sends = {b: torch.empty(n, dtype=wire, device=device) for b, n in send_numel.items()}
+    fill = dict.fromkeys(sends, 0)
+    for m in moves:
+        local, offset = local_src[id(m)]
+        for (a, b), boxes in m.plan.pairs.items():
+            if a != me:
                 continue
-            view, dst_offset = target
-            local, src_offset = local_src[id(m)]
-            for box in m.plan.local.get(me, ()):
+            for box in boxes:
+                n = box_volume(box)
+                sends[b][fill[b]:fill[b] + n].view(
+                    [e - s for s, e in box]).copy_(local[box_slices(box, offset)])
+                fill[b] += n
+    device = next((t.device for t in dsts.values() if isinstance(t, torch.Tensor)),
+                  device or torch.device("cpu"))
+    return local_src, sends, recvs, device
+
+
+def _unpack(moves, received: dict, local_src: dict, dsts, me: int) -> None:
+    """Write one bucket into the destination pieces in place: what this rank holds itself, then
+    what it received (in the order the senders packed it); free the receive buffers."""
+    cursor = {a: 0 for a in received}
+    for m in moves:
+        target = _target(m, dsts[m.dst_name], me)
+        if target is None:
+            continue
+        view, dst_offset = target
+        local, src_offset = local_src[id(m)]
+        for box in m.plan.local.get(me, ()):
+            view[box_slices(box, dst_offset)] = local[box_slices(box, src_offset)].to(view.dtype)
+        for (a, b), boxes in m.plan.pairs.items():
+            if b != me:
+                continue
+            flat = received[a]
+            for box in boxes:
+                n = box_volume(box)
+                start = cursor[a]
                 view[box_slices(box, dst_offset)] = \
-                    local[box_slices(box, src_offset)].to(view.dtype)
-            for (a, b), boxes in m.plan.pairs.items():
-                if b != me:
-                    continue
-                flat = received[a]
-                for box in boxes:
-                    n = box_volume(box)
-                    start = cursor[a]
-                    view[box_slices(box, dst_offset)] = \
-                        flat[start:start + n].reshape([e - s for s, e in box]).to(view.dtype)
-                    cursor[a] = start + n
-        _release(received.values())
+                    flat[start:start + n].reshape([e - s for s, e in box]).to(view.dtype)
+                cursor[a] = start + n
+    _release(received.values())
 
 
 def _only_described(m: _Move, spec: DTensorSpec, me: int, side: str, name: str,
@@ -414,7 +455,7 @@ def _check_same_plan(plan: RelayoutPlan) -> None:
 
 def plan_relayout(src, dst, *, name_map: dict | Callable | None = None,
                   fused: dict | None = None, dtype: torch.dtype | None = None,
-                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> RelayoutPlan:
+                  bucket_bytes: int | None = None) -> RelayoutPlan:
     """Plan moving ``src``'s tensors into ``dst``'s (modules or ``{name: DTensor or
     DTensorSpec}``). Pure metadata, no communication.
 
@@ -424,12 +465,15 @@ def plan_relayout(src, dst, *, name_map: dict | Callable | None = None,
     each rank's piece (``per_rank=True``, the inference engines' layout) -- and only the bytes
     each destination rank needs move. ``dtype``: the wire dtype, cast before sending (the destination tensors must have it;
     default: the source's, which must then equal the destination's). ``bucket_bytes``: the most
-    bytes a rank sends (or receives) per bucket.
+    bytes a rank sends (or receives) per bucket; default (None): 1/32 of the most any rank
+    sends or receives in all, within [1 MiB, 256 MiB] (``AUTO_BUCKET_FRACTION``: the extra
+    memory stays under 10% of what a rank receives).
     """
     srcs, dsts = _tensors(src), _tensors(dst)
     fused = dict(fused or {})
-    if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-        raise ValueError(f"relayout: bucket_bytes must be a positive int, got {bucket_bytes!r}")
+    if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
+        raise ValueError(f"relayout: bucket_bytes must be a positive int (or None: chosen from "
+                         f"the traffic), got {bucket_bytes!r}")
     moves = []
     for dst_name, d in dsts.items():
         dspec = _spec_of(dst_name, d)
@@ -489,7 +533,23 @@ def plan_relayout(src, dst, *, name_map: dict | Callable | None = None,
             moves.append(_Move(dst_name, src_name, travel, dspec, region, plan, parts, i))
             if dim is not None:
                 offset += sspec.shape[dim]
+    if bucket_bytes is None:
+        bucket_bytes = auto_bucket_bytes(moves)
     return RelayoutPlan(moves, _buckets(moves, bucket_bytes), bucket_bytes, dtype)
+
+
+def auto_bucket_bytes(moves) -> int:
+    """The default bucket: 1/32 of the most any rank sends or receives over all ``moves``,
+    within [1 MiB, 256 MiB] (why: at ``AUTO_BUCKET_FRACTION``)."""
+    sent: dict = {}
+    recv: dict = {}
+    for m in moves:
+        s_m, r_m = _rank_bytes(m.plan)
+        for table, part in ((sent, s_m), (recv, r_m)):
+            for r, n in part.items():
+                table[r] = table.get(r, 0) + n
+    busiest = max([*sent.values(), *recv.values(), 0])
+    return min(max(busiest // AUTO_BUCKET_FRACTION, AUTO_BUCKET_MIN), AUTO_BUCKET_MAX)
 
 
 def _buckets(moves, bucket_bytes: int) -> list:

@@ -85,7 +85,8 @@ def main(argv=None):
     ap.add_argument("--src-dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16", help="wire and "
                     "destination dtype")
-    ap.add_argument("--bucket-mb", type=float, default=1024.0)
+    ap.add_argument("--bucket-mb", type=float, default=None,
+                    help="bucket per rank in MiB (default: the relayout's own rule)")
     add_cost_args(ap)
     args = ap.parse_args(argv)
     shapes = llama_param_shapes(model_fields(args.model))
@@ -98,7 +99,8 @@ def main(argv=None):
         src = _specs(shapes, src_dims, 0, dtypes[args.src_dtype])
         dst = _specs(shapes, dst_dims, args.dst_first_rank, dtypes[args.dtype])
         plan = plan_relayout(src, dst, dtype=dtypes[args.dtype],
-                             bucket_bytes=int(args.bucket_mb * 2**20))
+                             bucket_bytes=None if args.bucket_mb is None
+                             else int(args.bucket_mb * 2**20))
         links = plan.link_bytes(args.gpus_per_node)
         seconds = plan.estimate_seconds(link)
         if args.json:
