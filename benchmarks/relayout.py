@@ -34,7 +34,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rollout", type=int, default=0)
     ap.add_argument("--models", default="example,synthetic")
-    ap.add_argument("--bucket-mb", default="16")
+    ap.add_argument("--bucket-mb", default="auto", help="MiB, or auto: the relayout's rule")
     ap.add_argument("--json", default="relayout_benchmark.json")
     args = ap.parse_args()
     dist.init_process_group("gloo")

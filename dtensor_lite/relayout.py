@@ -114,6 +114,9 @@ class RelayoutPlan:
         self.bucket_bytes = bucket_bytes
         self.wire_dtype = wire_dtype
         self.fingerprint = _fingerprint(moves, (bucket_bytes, str(wire_dtype)))
+        # the jobs.JobLink whose group moves the bytes between two separately launched jobs
+        # (ranks in its numbering); None: the default group of this world
+        self.link = None
 
     # ------------------------------------------------------------------ dry run
     # Tensors of one shape and layout share one cross-mesh plan (a model's layers do), so the
@@ -240,7 +243,7 @@ class RelayoutPlan:
             if tuple(dsts[m.dst_name].shape) != tuple(m.dst.shape):
                 raise ValueError(f"relayout.run: {m.dst_name!r} has shape "
                                  f"{tuple(dsts[m.dst_name].shape)}, planned {tuple(m.dst.shape)}")
-        me = torch.distributed.get_rank()
+        me = self.link.rank if self.link is not None else torch.distributed.get_rank()
         # Bucket k+1 is in flight while bucket k is unpacked. Bucket k's exchange is waited (its
         # send buffers freed) before k+1's are packed, so a rank holds at most bucket k's
         # receive buffers and k+1's send and receive buffers at once (peak_extra_bytes).
@@ -249,7 +252,7 @@ class RelayoutPlan:
             moves = [self.moves[i] for i in bucket]
             received = self._finish(in_flight)
             local_src, sends, recvs, device = _pack(moves, srcs, dsts, me)
-            pending = C.exchange_pieces(sends, recvs, device, async_op=True)
+            pending = C.exchange_pieces(sends, recvs, device, async_op=True, link=self.link)
             if in_flight is not None:
                 _unpack(in_flight[0], received, in_flight[3], dsts, me)
             in_flight = (moves, pending, sends, local_src)
