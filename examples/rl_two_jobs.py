@@ -29,6 +29,7 @@ if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dtensor_lite import init_device_mesh  # noqa: E402
+from dtensor_lite.debug import CommDebugMode, MemoryTracker  # noqa: E402
 from dtensor_lite.jobs import connect_jobs  # noqa: E402
 from examples.llama import Llama, LlamaConfig, loss_fn  # noqa: E402
 from examples.rl_engine import EngineLlama  # noqa: E402
@@ -52,12 +53,28 @@ def parse_args(argv=None):
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the other job")
     ap.add_argument("--out", default=None)
     ap.add_argument("--die-at-sync", type=int, default=-1)
+    ap.add_argument("--metrics", action="store_true",
+                    help="print per rank and sync a METRICS json line (benchmarks/relayout.py)")
     return ap.parse_args(argv)
 
 
 def config(args) -> LlamaConfig:
     return LlamaConfig(vocab_size=256, dim=args.dim, n_layers=args.layers, n_heads=args.heads,
                        n_kv_heads=args.kv_heads, ffn_dim=args.ffn, max_seq_len=64)
+
+
+def measured(args, role: str, step: int, sync) -> float:
+    """Run ``sync()``; with ``--metrics`` print this rank's bytes sent, seconds and peak extra
+    memory (the allocator's events) as one json line. Returns the seconds."""
+    with CommDebugMode() as comm, MemoryTracker(torch.nn.Module()) as mem:
+        start = time.perf_counter()
+        sync()
+        seconds = time.perf_counter() - start
+    if args.metrics:
+        print("METRICS " + json.dumps({"role": role, "rank": dist.get_rank(), "sync": step,
+                                       "sent": sum(comm.get_comm_bytes().values()),
+                                       "seconds": seconds, "peak": mem.peak_bytes}), flush=True)
+    return seconds
 
 
 def trainer_job(args) -> None:
@@ -76,9 +93,7 @@ def trainer_job(args) -> None:
         loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
         opt.step()
         opt.zero_grad()
-        start = time.perf_counter()
-        plan.run(model)
-        seconds = time.perf_counter() - start
+        seconds = measured(args, "trainer", step, lambda: plan.run(model))
         trained = {n: p.full_tensor() for n, p in model.named_parameters()}  # for the checker
         if rank == 0:
             print(f"sync {step}: {seconds * 1e3:.1f} ms", flush=True)
@@ -98,7 +113,7 @@ def engine_job(args) -> None:
         if step == args.die_at_sync and rank == world - 1:
             link.all_reduce_max([plan.plan.fingerprint, -plan.plan.fingerprint], "start")
             os._exit(3)  # joined the sync, then gone: the others must not wait forever
-        plan.run(weights)
+        measured(args, "engine", step, lambda: plan.run(weights))
         tokens = engine.generate(PROMPT, 8)
         if args.out:
             torch.save(engine.local, Path(args.out) / f"engine_{step}_rank{rank}.pt")

@@ -170,3 +170,19 @@ def test_fused_errors_are_clear_on_every_rank():
     # not sharded along the fused dim: both meanings agree, no choice needed
     rep = {"qkv": distribute_tensor(torch.zeros(8, 4), A, [Shard(1)])}
     plan_relayout(srcs, rep, fused={"qkv": Concat(["q", "k", "v"])}).run(srcs, rep)
+
+
+def test_dry_run_cli_plans_the_engines_fused_layout_at_the_same_bytes(capsys):
+    """``python -m dtensor_lite.plan relayout --fused``: the destination fuses q, k, v and
+    gate, up per rank; the same elements cross as without fusion (fusion moves no extra byte)."""
+    import json
+
+    from dtensor_lite.plan.__main__ import main
+    argv = ["relayout", "--model", "example", "--src", "dp_shard=4", "--dst", "tp=2",
+            "--dst-first-rank", "4", "--json"]
+    main(argv)
+    plain = json.loads(capsys.readouterr().out)
+    main(argv + ["--fused"])
+    fused = json.loads(capsys.readouterr().out)
+    assert fused["total_bytes"] == plain["total_bytes"] > 0
+    assert fused["busiest_sender_bytes"] == plain["busiest_sender_bytes"]
