@@ -9,7 +9,7 @@ parameter whole to each engine rank), on the example Llama and on a larger synth
 
 ``--two-jobs`` launches examples/rl_weight_sync.py ``--trainer-job`` (4 processes) and
 ``--engine-job`` (2, vLLM's fused layout) as two torchrun subprocesses joined by
-``dtensor_lite.jobs`` and reads their per-rank METRICS lines (second sync).
+``dtensor_lite.jobs`` and reads the per-rank figures they write (second sync).
 
 Columns: bytes sent by the busiest rank (CommDebugMode; the broadcast's point-to-point sends
 counted by hand), wall time of the slowest rank, peak memory above the start on the worst rank
@@ -21,9 +21,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch.distributed as dist
@@ -49,8 +51,9 @@ def two_jobs(models: list, json_path: str) -> None:
             s.bind(("127.0.0.1", 0))
             address = f"127.0.0.1:{s.getsockname()[1]}"
         # the same weights as the one-world rows (no GQA there): q, k, v of equal sizes
-        argv = MODELS[name] + ["--steps", "2", "--metrics", "--dtype", "bfloat16",
-                               "--kv-heads", "4"]
+        metrics_dir = Path(tempfile.mkdtemp(prefix="relayout_two_jobs_"))
+        argv = MODELS[name] + ["--steps", "2", "--metrics", str(metrics_dir), "--dtype",
+                               "bfloat16", "--kv-heads", "4"]
         jobs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
                                   f"--nproc-per-node={n}", str(repo / "examples" /
                                                                "rl_weight_sync.py"),
@@ -60,9 +63,8 @@ def two_jobs(models: list, json_path: str) -> None:
         outs = [j.communicate(timeout=1800)[0] for j in jobs]
         if any(j.returncode for j in jobs):
             raise SystemExit("a job failed:\n" + "\n".join(o[-3000:] for o in outs))
-        metrics = [json.loads(line.split("METRICS ", 1)[1]) for o in outs
-                   for line in o.splitlines() if "METRICS " in line]
-        warm = [m for m in metrics if m["sync"] == 1]
+        warm = [json.loads(f.read_text()) for f in sorted(metrics_dir.glob("*_sync1.json"))]
+        shutil.rmtree(metrics_dir)
         rows.append({"model": name, "method": "relayout, two jobs",
                      "busiest_rank_bytes": max(m["sent"] for m in warm),
                      "seconds": max(m["seconds"] for m in warm),

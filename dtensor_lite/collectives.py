@@ -38,8 +38,8 @@ from .debug_state import CHECKING, COMM_SINKS, TIMERS, CommFlight, record
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "scatter",
            "broadcast_object", "all_reduce_cost", "flat_all_gather", "flat_reduce_scatter",
-           "all_to_all_single", "send_recv", "exchange_pieces", "Pending", "then",
-           "free_now"]
+           "all_to_all_single", "send_recv", "exchange_pieces", "all_reduce_max_over", "Pending",
+           "then", "free_now"]
 
 # torch 2.13 renamed the *_into_tensor / *_tensor collectives to *_single
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -807,6 +807,17 @@ def exchange_pieces(sends: dict, recvs: dict, device, async_op: bool = False,
         return {peer: _unwire(buf.to(device) if host else buf, like)
                 for peer, (buf, like) in received.items()}
     return _launch(kind, issued, finish, async_op)
+
+
+def all_reduce_max_over(group, values: list) -> list:
+    """The max of a few ints over every rank of ``group``, a process group in no world's group
+    map (two jobs' joint group, ``jobs.JobLink``): its own all-reduce, waited plainly -- bounded
+    by the group's timeout; a peer that died makes gloo raise at once."""
+    t = torch.tensor(values, dtype=torch.int64)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    group.allreduce([t], opts).wait()
+    return t.tolist()
 
 
 def _point_to_point(op: str, tensor: torch.Tensor, peer: int, group, link):

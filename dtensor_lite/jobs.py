@@ -43,6 +43,7 @@ import pickle
 import torch
 import torch.distributed as dist
 
+from . import collectives as C
 from .mesh_layout import MeshLayout
 from .redistribute.cross_mesh import mesh_instances
 from .relayout import RelayoutPlan, _spec_of, _tensors, plan_relayout
@@ -242,14 +243,10 @@ class JobLink:
     # ------------------------------------------------------------------ joint collectives
     def all_reduce_max(self, values: list[int], doing: str) -> list[int]:
         """Max over every rank of both jobs, bounded by the link's timeout."""
-        t = torch.tensor(values, dtype=torch.int64)
-        opts = dist.AllreduceOptions()
-        opts.reduceOp = dist.ReduceOp.MAX
         try:
-            self.group.allreduce([t], opts).wait()
+            return C.all_reduce_max_over(self.group, values)
         except RuntimeError as e:
             raise self._lost(doing, e) from e
-        return t.tolist()
 
     def close(self) -> None:
         """Leave: both sides meet once more (the trainer's rank 0 hosts the store, so it must

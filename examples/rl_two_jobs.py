@@ -53,8 +53,9 @@ def parse_args(argv=None):
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the other job")
     ap.add_argument("--out", default=None)
     ap.add_argument("--die-at-sync", type=int, default=-1)
-    ap.add_argument("--metrics", action="store_true",
-                    help="print per rank and sync a METRICS json line (benchmarks/relayout.py)")
+    ap.add_argument("--metrics", default=None, metavar="DIR",
+                    help="write per rank and sync a json file of bytes sent, seconds and peak "
+                    "extra memory there (benchmarks/relayout.py --two-jobs)")
     return ap.parse_args(argv)
 
 
@@ -63,17 +64,20 @@ def config(args) -> LlamaConfig:
                        n_kv_heads=args.kv_heads, ffn_dim=args.ffn, max_seq_len=64)
 
 
-def measured(args, role: str, step: int, sync) -> float:
-    """Run ``sync()``; with ``--metrics`` print this rank's bytes sent, seconds and peak extra
-    memory (the allocator's events) as one json line. Returns the seconds."""
+def measured(args, role: str, step: int, link, sync) -> float:
+    """Run ``sync()``; with ``--metrics DIR`` write this rank's bytes sent, seconds and peak
+    extra memory (the allocator's events) to a json file there. Returns the seconds. Both jobs
+    line up first, so neither times the other's training or generation."""
+    link.all_reduce_max([0], "line up for the sync")
     with CommDebugMode() as comm, MemoryTracker(torch.nn.Module()) as mem:
         start = time.perf_counter()
         sync()
         seconds = time.perf_counter() - start
     if args.metrics:
-        print("METRICS " + json.dumps({"role": role, "rank": dist.get_rank(), "sync": step,
-                                       "sent": sum(comm.get_comm_bytes().values()),
-                                       "seconds": seconds, "peak": mem.peak_bytes}), flush=True)
+        rank = dist.get_rank()
+        (Path(args.metrics) / f"{role}_{rank}_sync{step}.json").write_text(json.dumps(
+            {"role": role, "rank": rank, "sync": step, "seconds": seconds,
+             "sent": sum(comm.get_comm_bytes().values()), "peak": mem.peak_bytes}))
     return seconds
 
 
@@ -93,7 +97,7 @@ def trainer_job(args) -> None:
         loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
         opt.step()
         opt.zero_grad()
-        seconds = measured(args, "trainer", step, lambda: plan.run(model))
+        seconds = measured(args, "trainer", step, link, lambda: plan.run(model))
         trained = {n: p.full_tensor() for n, p in model.named_parameters()}  # for the checker
         if rank == 0:
             print(f"sync {step}: {seconds * 1e3:.1f} ms", flush=True)
@@ -113,7 +117,7 @@ def engine_job(args) -> None:
         if step == args.die_at_sync and rank == world - 1:
             link.all_reduce_max([plan.plan.fingerprint, -plan.plan.fingerprint], "start")
             os._exit(3)  # joined the sync, then gone: the others must not wait forever
-        measured(args, "engine", step, lambda: plan.run(weights))
+        measured(args, "engine", step, link, lambda: plan.run(weights))
         tokens = engine.generate(PROMPT, 8)
         if args.out:
             torch.save(engine.local, Path(args.out) / f"engine_{step}_rank{rank}.pt")
