@@ -116,8 +116,10 @@ def test_engine_dying_mid_sync_makes_the_trainer_raise_within_the_bound(tmp_path
     rc_e, out_e, _ = _finish(engine, 600)
     died_at = time.monotonic()
     rc_t, out_t, _ = _finish(trainer, BOUND + 60)
+    after = time.monotonic() - died_at
+    print(f"the trainer job ended {after:.1f} s after the engine job")
     assert rc_t != 0 and rc_e != 0
-    assert time.monotonic() - died_at < BOUND + 60
+    assert after < BOUND + 60
     assert "JobLinkError" in out_t and "the engine job (joint ranks 4-5)" in out_t, out_t[-3000:]
     assert (tmp_path / "trained_0.pt").exists() and not (tmp_path / "trained_1.pt").exists()
 
