@@ -5,6 +5,11 @@ parameter whole to each engine rank), on the example Llama and on a larger synth
 
     torchrun --standalone --nproc-per-node 4 benchmarks/relayout.py               # colocated
     torchrun --standalone --nproc-per-node 6 benchmarks/relayout.py --rollout 2   # 4 + 2
+    python benchmarks/relayout.py --two-jobs     # 4 + 2 as two torchrun jobs, fused engine
+
+``--two-jobs`` launches examples/rl_weight_sync.py ``--trainer-job`` (4 processes) and
+``--engine-job`` (2, vLLM's fused layout) as two torchrun subprocesses joined by
+``dtensor_lite.jobs`` and reads the per-rank figures they write (second sync).
 
 Columns: bytes sent by the busiest rank (CommDebugMode; the broadcast's point-to-point sends
 counted by hand), wall time of the slowest rank, peak memory above the start on the worst rank
@@ -15,7 +20,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import socket
+import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import torch.distributed as dist
@@ -30,13 +40,56 @@ MODELS = {"example": ["--dim", "64", "--layers", "2"],
           "synthetic": ["--dim", "1280", "--layers", "4", "--ffn", "2560"]}
 
 
+def two_jobs(models: list, json_path: str) -> None:
+    """The two-job form: per model, both jobs launched, their second sync's figures."""
+    repo = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(repo), os.environ.get("PYTHONPATH", "")])}
+    rows = []
+    for name in models:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            address = f"127.0.0.1:{s.getsockname()[1]}"
+        # the same weights as the one-world rows (no GQA there): q, k, v of equal sizes
+        metrics_dir = Path(tempfile.mkdtemp(prefix="relayout_two_jobs_"))
+        argv = MODELS[name] + ["--steps", "2", "--metrics", str(metrics_dir), "--dtype",
+                               "bfloat16", "--kv-heads", "4"]
+        jobs = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                  f"--nproc-per-node={n}", str(repo / "examples" /
+                                                               "rl_weight_sync.py"),
+                                  flag, address, *argv], env=env, stdout=subprocess.PIPE,
+                                 stderr=subprocess.STDOUT, text=True)
+                for flag, n in (("--trainer-job", 4), ("--engine-job", 2))]
+        outs = [j.communicate(timeout=1800)[0] for j in jobs]
+        if any(j.returncode for j in jobs):
+            raise SystemExit("a job failed:\n" + "\n".join(o[-3000:] for o in outs))
+        warm = [json.loads(f.read_text()) for f in sorted(metrics_dir.glob("*_sync1.json"))]
+        shutil.rmtree(metrics_dir)
+        rows.append({"model": name, "method": "relayout, two jobs",
+                     "busiest_rank_bytes": max(m["sent"] for m in warm),
+                     "seconds": max(m["seconds"] for m in warm),
+                     "peak_extra_bytes_max": max(m["peak"] for m in warm), "per_rank": warm})
+    print("\nrelayout benchmark, two torchrun jobs 4 + 2 (engine: fused per-rank layout), "
+          "default bucket")
+    print(f"{'model':>10} {'method':>20} {'busiest MiB':>12} {'ms':>9} {'peak MiB':>9}")
+    for r in rows:
+        print(f"{r['model']:>10} {r['method']:>20} {r['busiest_rank_bytes'] / 2**20:12.3f} "
+              f"{r['seconds'] * 1e3:9.1f} {r['peak_extra_bytes_max'] / 2**20:9.2f}")
+    Path(json_path).write_text(json.dumps({"mode": "two jobs 4+2", "rows": rows}, indent=1))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rollout", type=int, default=0)
     ap.add_argument("--models", default="example,synthetic")
-    ap.add_argument("--bucket-mb", default="16")
+    ap.add_argument("--bucket-mb", default="auto", help="MiB, or auto: the relayout's rule")
     ap.add_argument("--json", default="relayout_benchmark.json")
+    ap.add_argument("--two-jobs", action="store_true",
+                    help="launch a 4-process trainer job and a 2-process engine job (no torchrun)")
     args = ap.parse_args()
+    if args.two_jobs:
+        two_jobs(args.models.split(","), args.json)
+        return
     dist.init_process_group("gloo")
     table = []
     for name in args.models.split(","):

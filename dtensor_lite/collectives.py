@@ -38,8 +38,8 @@ from .debug_state import CHECKING, COMM_SINKS, TIMERS, CommFlight, record
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "scatter",
            "broadcast_object", "all_reduce_cost", "flat_all_gather", "flat_reduce_scatter",
-           "all_to_all_single", "send_recv", "exchange_pieces", "Pending", "then",
-           "free_now"]
+           "all_to_all_single", "send_recv", "exchange_pieces", "all_reduce_max_over", "Pending",
+           "then", "free_now"]
 
 # torch 2.13 renamed the *_into_tensor / *_tensor collectives to *_single
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -766,7 +766,7 @@ def send_recv(tensor: torch.Tensor | None, mesh, mesh_dim: int, dst: int | None,
 
 
 def exchange_pieces(sends: dict, recvs: dict, device, async_op: bool = False,
-                    kind: str = "cross_mesh"):
+                    kind: str = "cross_mesh", link=None):
     """Point-to-point between arbitrary global ranks over the default group, for moves between
     meshes (which share no mesh dim, so no mesh group spans both): this rank sends the 1-D
     tensor ``sends[r]`` to each global rank ``r`` and receives ``recvs[r] = (numel, dtype)``
@@ -774,27 +774,29 @@ def exchange_pieces(sends: dict, recvs: dict, device, async_op: bool = False,
     per direction (the cross-mesh plan guarantees it: every rank derives it from metadata). All
     messages are issued at once (no ordering deadlock) and waited as one work, in slices, so a
     failure posted by any rank stops the wait. A rank with nothing to send or receive returns at
-    once. Counted as ``kind`` with the bytes this rank sends."""
-    group = dist.distributed_c10d._get_default_group()
-    me = dist.get_rank()
+    once. Counted as ``kind`` with the bytes this rank sends. ``link`` (a ``jobs.JobLink``):
+    over its process group joining two separately launched jobs, peers numbered as in it."""
+    group = link.group if link is not None else dist.distributed_c10d._get_default_group()
+    me = link.rank if link is not None else dist.get_rank()
     works, hold, received = [], [], {}  # hold: the private aliases the backend is given
     started = time.perf_counter()
     sent = 0
-    host = torch.device(device).type != "cpu" and "gloo" in group_backend(group)
+    host = torch.device(device).type != "cpu" and (link is not None  # gloo joins jobs
+                                                   or "gloo" in group_backend(group))
     # receives first, in peer order, then sends (the order within each side only has to match
     # one message per pair, which it does)
     for peer in sorted(recvs):
         numel, dtype = recvs[peer]
         like = torch.empty(0, dtype=dtype)
         buf = _wire(torch.empty(numel, dtype=dtype, device="cpu" if host else device))
-        works.append(dist.irecv(_inflight.private(buf, hold), src=peer, group=group))
+        works.append(_point_to_point("recv", _inflight.private(buf, hold), peer, group, link))
         received[peer] = (buf, like)
     for peer in sorted(sends):
         if peer == me:
             raise ValueError("exchange_pieces: a rank does not send to itself (copy locally)")
         x = _wire(sends[peer])
         x = x.cpu() if host else x
-        works.append(dist.isend(_inflight.private(x, hold), dst=peer, group=group))
+        works.append(_point_to_point("send", _inflight.private(x, hold), peer, group, link))
         sent += x.numel() * x.element_size()
     if COMM_SINKS:
         record(kind, sent, dist.get_world_size(), kind, tuple(sorted({me, *sends, *recvs})))
@@ -805,6 +807,27 @@ def exchange_pieces(sends: dict, recvs: dict, device, async_op: bool = False,
         return {peer: _unwire(buf.to(device) if host else buf, like)
                 for peer, (buf, like) in received.items()}
     return _launch(kind, issued, finish, async_op)
+
+
+def all_reduce_max_over(group, values: list) -> list:
+    """The max of a few ints over every rank of ``group``, a process group in no world's group
+    map (two jobs' joint group, ``jobs.JobLink``): its own all-reduce, waited plainly -- bounded
+    by the group's timeout; a peer that died makes gloo raise at once."""
+    t = torch.tensor(values, dtype=torch.int64)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    group.allreduce([t], opts).wait()
+    return t.tolist()
+
+
+def _point_to_point(op: str, tensor: torch.Tensor, peer: int, group, link):
+    """An ``isend`` / ``irecv`` of ``tensor`` with ``peer``: over the default group by global
+    rank, or over a group joining two jobs (``link``), which is in no world's group map, by its
+    own send / recv in its numbering."""
+    if link is None:
+        return dist.irecv(tensor, src=peer, group=group) if op == "recv" \
+            else dist.isend(tensor, dst=peer, group=group)
+    return group.recv([tensor], peer, 0) if op == "recv" else group.send([tensor], peer, 0)
 
 
 # ---------------------------------------------------------------- tagged point-to-point

@@ -3,14 +3,16 @@
 on other ranks), in buckets -- RL weight sync (trainer -> rollout engine) and elastic resize.
 
 Each destination tensor is filled from one source tensor, or from several (a fused destination:
-``qkv`` from ``q``, ``k``, ``v`` concatenated along a dim) -- each source then fills a region of
-it. What moves is the cross-mesh plan of each (source, destination region) pair
+``qkv`` from ``q``, ``k``, ``v`` concatenated along a dim, globally or per rank as inference
+engines hold it: ``relayout_fused.py``) -- each source then fills a region of it. What moves is the cross-mesh plan of each (source, destination region) pair
 (``redistribute.cross_mesh``): per (source rank, destination rank) the index boxes one holds and
 the other needs, nothing else. Tensors are grouped into buckets whose largest per-rank send or
 receive stays within ``bucket_bytes``; a bucket is ONE message per rank pair (its boxes
 concatenated), cast to the wire dtype *before* sending, written into the destination's local
-pieces in place. So the extra memory of a rank is at most one bucket of send buffers plus one of
-receive buffers (a tensor larger than the bucket is a bucket of its own).
+pieces in place. The next bucket is in flight while the last is unpacked, so the extra memory of
+a rank is at most one bucket's receive buffers plus the next one's send and receive buffers (a
+tensor larger than the bucket is a bucket of its own). The default bucket is a fraction of the
+busiest rank's traffic (``AUTO_BUCKET_FRACTION``): no tuning.
 
 Everything is decided from metadata (names, shapes, dtypes, meshes, placements) that every rank
 has, so ``RelayoutPlan.report()`` is a dry run that needs no data; before moving anything the
@@ -21,7 +23,7 @@ Example::
 
     >>> plan = plan_relayout(trainer_model, rollout_model, dtype=torch.bfloat16,
     ...                      fused={"attn.qkv.weight": Concat(["attn.q.weight", "attn.k.weight",
-    ...                                                        "attn.v.weight"], dim=0)})
+    ...                                                        "attn.v.weight"], per_rank=True)})
     >>> print(plan.report())          # bytes per rank pair, buckets, peak extra memory
     >>> plan.run(trainer_model, rollout_model)   # every rank of the world calls it
 """
@@ -37,19 +39,25 @@ from . import collectives as C
 from .dtensor import DTensor, default_mesh
 from .placements import Replicate
 from .redistribute.cross_mesh import (box_volume, box_slices, check_meshes, mesh_instances,
-                                      plan_cross_mesh, reduced_source, shift_box)
+                                      plan_cross_mesh, reduced_source)
+from .relayout_fused import (Concat, check_per_rank_sizes, concat_layout, part_specs,
+                             per_rank_view)
 from .redistribute.entry import redistribute_local
 from .spec import DTensorSpec, TensorMeta
 
 __all__ = ["Concat", "RelayoutPlan", "plan_relayout", "relayout_", "relayout_optimizer_state_"]
 
-DEFAULT_BUCKET_BYTES = 64 * 1024 * 1024
-
-
-class Concat(NamedTuple):
-    """A fused destination tensor: the source tensors ``names`` concatenated along ``dim``."""
-    names: list
-    dim: int = 0
+# The default bucket (``bucket_bytes=None``): 1/32 of the most any rank sends or receives over
+# the whole relayout, within [1 MiB, 256 MiB]. Why: buckets overlap (one in flight while the
+# last is unpacked), so a rank holds at most 3 buckets of wire buffers at once -- under 10% of
+# what it receives, i.e. of the destination weights it already holds, whatever the model's size
+# (an engine that fits its weights fits the sync). ~32 buckets keep the per-bucket costs (one
+# message per peer, one pack / unpack pass) small against the bytes, and overlapping hides the
+# unpacking. The floor keeps messages large enough that latency does not dominate; the cap bounds
+# the headroom in absolute terms on GPUs whose memory an engine gives to its KV cache.
+AUTO_BUCKET_FRACTION = 32
+AUTO_BUCKET_MIN = 1 << 20
+AUTO_BUCKET_MAX = 256 << 20
 
 
 class _Move(NamedTuple):
@@ -60,6 +68,8 @@ class _Move(NamedTuple):
     dst: DTensorSpec
     region: tuple | None  # (dim, offset) in the destination; None: the whole of it
     plan: object          # CrossMeshPlan
+    parts: tuple | None = None  # per-rank fused: every source's part spec (relayout_fused)
+    index: int = 0              # which of them this move fills
 
 
 def _tensors(obj) -> dict:
@@ -104,6 +114,9 @@ class RelayoutPlan:
         self.bucket_bytes = bucket_bytes
         self.wire_dtype = wire_dtype
         self.fingerprint = _fingerprint(moves, (bucket_bytes, str(wire_dtype)))
+        # the jobs.JobLink whose group moves the bytes between two separately launched jobs
+        # (ranks in its numbering); None: the default group of this world
+        self.link = None
 
     # ------------------------------------------------------------------ dry run
     # Tensors of one shape and layout share one cross-mesh plan (a model's layers do), so the
@@ -144,12 +157,16 @@ class RelayoutPlan:
         return self._per_rank(0, moves), self._per_rank(1, moves)
 
     def peak_extra_bytes(self) -> dict:
-        """{rank: the most bytes of send + receive buffers it holds at once} (one bucket's)."""
+        """{rank: the most bytes of wire buffers it holds at once}: buckets overlap, so bucket
+        k's receive buffers (being unpacked) beside bucket k+1's send and receive buffers."""
         peak: dict = {}
+        prev_recv: dict = {}
         for k in range(len(self.buckets)):
             sent, recv = self.bucket_traffic(k)
-            for r in set(sent) | set(recv):
-                peak[r] = max(peak.get(r, 0), sent.get(r, 0) + recv.get(r, 0))
+            for r in set(sent) | set(recv) | set(prev_recv):
+                held = prev_recv.get(r, 0) + sent.get(r, 0) + recv.get(r, 0)
+                peak[r] = max(peak.get(r, 0), held)
+            prev_recv = recv
         return peak
 
     def link_bytes(self, gpus_per_node: int) -> dict:
@@ -196,7 +213,8 @@ class RelayoutPlan:
         peak = self.peak_extra_bytes()
         if peak:
             worst = max(peak, key=peak.get)
-            lines.append("peak extra memory (send + receive buffers of one bucket): "
+            lines.append("peak extra memory (one bucket's receive buffers + the next one's send "
+                         "and receive buffers): "
                          f"at most {_mb(peak[worst])} (rank {worst})"
                          + ("; per rank: " + ", ".join(f"{r}: {_mb(n)}" for r, n in
                                                       sorted(peak.items()))
@@ -225,73 +243,142 @@ class RelayoutPlan:
             if tuple(dsts[m.dst_name].shape) != tuple(m.dst.shape):
                 raise ValueError(f"relayout.run: {m.dst_name!r} has shape "
                                  f"{tuple(dsts[m.dst_name].shape)}, planned {tuple(m.dst.shape)}")
+        me = self.link.rank if self.link is not None else torch.distributed.get_rank()
+        # Bucket k+1 is in flight while bucket k is unpacked. Bucket k's exchange is waited (its
+        # send buffers freed) before k+1's are packed, so a rank holds at most bucket k's
+        # receive buffers and k+1's send and receive buffers at once (peak_extra_bytes).
+        in_flight = None  # (moves, pending exchange, send buffers, source pieces)
         for bucket in self.buckets:
-            self._run_bucket([self.moves[i] for i in bucket], srcs, dsts)
+            moves = [self.moves[i] for i in bucket]
+            received = self._finish(in_flight)
+            local_src, sends, recvs, device = _pack(moves, srcs, dsts, me)
+            pending = C.exchange_pieces(sends, recvs, device, async_op=True, link=self.link)
+            if in_flight is not None:
+                _unpack(in_flight[0], received, in_flight[3], dsts, me)
+            in_flight = (moves, pending, sends, local_src)
+        if in_flight is not None:
+            _unpack(in_flight[0], self._finish(in_flight), in_flight[3], dsts, me)
 
-    def _run_bucket(self, moves, srcs, dsts):
-        me = torch.distributed.get_rank()
-        recvs: dict = {}
-        local_src = {}
-        send_numel: dict = {}
-        for m in moves:
-            t = srcs[m.src_name]
-            local = t._local_tensor
-            spec = t._spec
-            reduced = reduced_source(spec)
-            if reduced is not spec:  # a Partial source: reduced inside its mesh first
-                local = redistribute_local(local, spec, reduced)
-            coord = reduced.mesh.get_coordinate()
-            offset = reduced.local_shape_and_offset()[1] if coord is not None else None
-            local_src[id(m)] = (local, offset)
-            for (a, b), boxes in m.plan.pairs.items():
-                numel = sum(box_volume(box) for box in boxes)
-                if a == me:
-                    send_numel[b] = send_numel.get(b, 0) + numel
-                if b == me:
-                    n, dtype = recvs.get(a, (0, m.src.dtype))
-                    recvs[a] = (n + numel, dtype)
-        # one buffer per peer in the wire dtype, filled in place: the cast happens in the copy,
-        # before sending, and no piece is held twice
-        wire = moves[0].src.dtype
-        flat_sends = {b: torch.empty(n, dtype=wire, device=local.device)
-                      for b, n in send_numel.items()}
-        fill = dict.fromkeys(flat_sends, 0)
-        for m in moves:
-            local, offset = local_src[id(m)]
-            for (a, b), boxes in m.plan.pairs.items():
-                if a != me:
-                    continue
-                for box in boxes:
-                    n = box_volume(box)
-                    flat_sends[b][fill[b]:fill[b] + n].view(
-                        [e - s for s, e in box]).copy_(local[box_slices(box, offset)])
-                    fill[b] += n
-        device = next(iter(dsts.values())).device if dsts else torch.device("cpu")
-        received = C.exchange_pieces(flat_sends, recvs, device) if flat_sends or recvs else {}
-        _release(flat_sends.values())
-        del flat_sends
-        cursor = {a: 0 for a in received}
-        for m in moves:
-            out = dsts[m.dst_name]
-            if out._spec.mesh.get_coordinate() is None:
+    @staticmethod
+    def _finish(in_flight) -> dict:
+        """Wait for a bucket's exchange; free its send buffers; return what it received."""
+        if in_flight is None:
+            return {}
+        received = in_flight[1].wait()
+        _release(in_flight[2].values())
+        in_flight[2].clear()
+        return received
+
+
+def _pack(moves, srcs, dsts, me: int):
+    """(source pieces, {peer: 1-D send buffer}, {peer: (numel, dtype) to receive}, device) of
+    one bucket: one buffer per peer in the wire dtype, filled in place -- the cast happens in the
+    copy, before sending, and no piece is held twice."""
+    recvs: dict = {}
+    local_src = {}
+    send_numel: dict = {}
+    device = None  # where this rank's pieces live (its wire buffers go there too)
+    for m in moves:
+        local, offset = _source_piece(m, srcs[m.src_name], me)
+        local_src[id(m)] = (local, offset)
+        if local is not None and device is None:
+            device = local.device
+        for (a, b), boxes in m.plan.pairs.items():
+            numel = sum(box_volume(box) for box in boxes)
+            if a == me:
+                send_numel[b] = send_numel.get(b, 0) + numel
+            if b == me:
+                n, dtype = recvs.get(a, (0, m.src.dtype))
+                recvs[a] = (n + numel, dtype)
+    wire = moves[0].src.dtype
+    sends = {b: torch.empty(n, dtype=wire, device=device) for b, n in send_numel.items()}
+    fill = dict.fromkeys(sends, 0)
+    for m in moves:
+        local, offset = local_src[id(m)]
+        for (a, b), boxes in m.plan.pairs.items():
+            if a != me:
                 continue
-            piece = out._local_tensor
-            dst_offset = out._spec.local_shape_and_offset()[1]
-            local, src_offset = local_src[id(m)]
-            for box in m.plan.local.get(me, ()):
-                piece[box_slices(shift_box(box, m.region), dst_offset)] = \
-                    local[box_slices(box, src_offset)].to(piece.dtype)
-            for (a, b), boxes in m.plan.pairs.items():
-                if b != me:
-                    continue
-                flat = received[a]
-                for box in boxes:
-                    n = box_volume(box)
-                    start = cursor[a]
-                    piece[box_slices(shift_box(box, m.region), dst_offset)] = \
-                        flat[start:start + n].reshape([e - s for s, e in box]).to(piece.dtype)
-                    cursor[a] = start + n
-        _release(received.values())
+            for box in boxes:
+                n = box_volume(box)
+                sends[b][fill[b]:fill[b] + n].view(
+                    [e - s for s, e in box]).copy_(local[box_slices(box, offset)])
+                fill[b] += n
+    device = next((t.device for t in dsts.values() if isinstance(t, torch.Tensor)),
+                  device or torch.device("cpu"))
+    return local_src, sends, recvs, device
+
+
+def _unpack(moves, received: dict, local_src: dict, dsts, me: int) -> None:
+    """Write one bucket into the destination pieces in place: what this rank holds itself, then
+    what it received (in the order the senders packed it); free the receive buffers."""
+    cursor = {a: 0 for a in received}
+    for m in moves:
+        target = _target(m, dsts[m.dst_name], me)
+        if target is None:
+            continue
+        view, dst_offset = target
+        local, src_offset = local_src[id(m)]
+        for box in m.plan.local.get(me, ()):
+            view[box_slices(box, dst_offset)] = local[box_slices(box, src_offset)].to(view.dtype)
+        for (a, b), boxes in m.plan.pairs.items():
+            if b != me:
+                continue
+            flat = received[a]
+            for box in boxes:
+                n = box_volume(box)
+                start = cursor[a]
+                view[box_slices(box, dst_offset)] = \
+                    flat[start:start + n].reshape([e - s for s, e in box]).to(view.dtype)
+                cursor[a] = start + n
+    _release(received.values())
+
+
+def _only_described(m: _Move, spec: DTensorSpec, me: int, side: str, name: str,
+                    exchanges: bool) -> None:
+    """A tensor given by its description only (``describe``) is fine on a rank that moves none
+    of it; a rank that must send or receive its bytes needs the DTensor itself."""
+    if exchanges or m.plan.local.get(me):
+        raise ValueError(
+            f"relayout.run: rank {me} holds part of {side} {name!r} ({list(spec.placements)} on "
+            f"{spec.mesh}) but was given only its description; pass the DTensor itself on the "
+            "ranks of its mesh")
+
+
+def _source_piece(m: _Move, t, me: int):
+    """(this rank's piece of source ``t`` -- Partial dims reduced inside its mesh -- and its
+    global offset), or (None, None) where this rank holds none of it (outside its mesh, or
+    ``t`` is only described: ``describe.describe``)."""
+    if isinstance(t, DTensorSpec):
+        _only_described(m, t, me, "source", m.src_name, any(a == me for a, _ in m.plan.pairs))
+        return None, None
+    local, spec = t._local_tensor, t._spec
+    reduced = reduced_source(spec)
+    if reduced is not spec:  # a Partial source: reduced inside its mesh first
+        local = redistribute_local(local, spec, reduced)
+    if reduced.mesh.get_coordinate() is None:
+        return None, None
+    return local, reduced.local_shape_and_offset()[1]
+
+
+def _target(m: _Move, out, me: int):
+    """(the view of this rank's destination piece that move ``m`` writes, the global offset of
+    its first element in the source's coordinates), so a source box ``box`` lands at
+    ``view[box_slices(box, offset)]``; None where this rank holds none of the destination."""
+    if isinstance(out, DTensorSpec):
+        _only_described(m, out, me, "destination", m.dst_name,
+                        any(b == me for _, b in m.plan.pairs))
+        return None
+    coord = out._spec.mesh.get_coordinate()
+    if coord is None:
+        return None
+    piece = out._local_tensor
+    if m.parts is not None:
+        return per_rank_view(piece, coord, m.region[0], m.parts, m.index)
+    offset = list(out._spec.local_shape_and_offset()[1])
+    if m.region is not None:  # a global concatenation: the source starts ``offset`` rows in
+        dim, start = m.region
+        offset[dim] -= start
+    return piece, offset
 
 
 def _release(buffers) -> None:
@@ -349,7 +436,9 @@ def _fingerprint(moves, options) -> int:
                 meshes[id(mesh)] = f"{mesh.device_type}{[t.tolist() for t in mesh_instances(mesh)]}"
             parts.append(f"{meshes[id(mesh)]}{spec.placements}{spec.shard_order}"
                          f"{tuple(spec.shape)}{spec.dtype}")
-        parts.append(f"{m.src_name}>{m.dst_name}@{m.region}")
+        parts.append(f"{m.src_name}>{m.dst_name}@{m.region}"
+                     + (f"/per-rank {m.index} of {[tuple(p.shape) for p in m.parts]}"
+                        if m.parts else ""))
     return zlib.crc32("|".join(parts).encode()) & 0x7FFFFFFF
 
 
@@ -369,35 +458,38 @@ def _check_same_plan(plan: RelayoutPlan) -> None:
 
 def plan_relayout(src, dst, *, name_map: dict | Callable | None = None,
                   fused: dict | None = None, dtype: torch.dtype | None = None,
-                  bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> RelayoutPlan:
+                  bucket_bytes: int | None = None) -> RelayoutPlan:
     """Plan moving ``src``'s tensors into ``dst``'s (modules or ``{name: DTensor or
     DTensorSpec}``). Pure metadata, no communication.
 
     ``name_map``: destination name -> source name (a dict or a function; default: the same
     name). ``fused``: destination name -> :class:`Concat` of source names (``qkv`` from ``q``,
-    ``k``, ``v``): each source fills its rows, and only the bytes each destination rank needs
-    move. ``dtype``: the wire dtype, cast before sending (the destination tensors must have it;
+    ``k``, ``v``): each source fills its rows -- of the global tensor (``per_rank=False``) or of
+    each rank's piece (``per_rank=True``, the inference engines' layout) -- and only the bytes
+    each destination rank needs move. ``dtype``: the wire dtype, cast before sending (the destination tensors must have it;
     default: the source's, which must then equal the destination's). ``bucket_bytes``: the most
-    bytes a rank sends (or receives) per bucket.
+    bytes a rank sends (or receives) per bucket; default (None): 1/32 of the most any rank
+    sends or receives in all, within [1 MiB, 256 MiB] (``AUTO_BUCKET_FRACTION``: the extra
+    memory stays under 10% of what a rank receives).
     """
     srcs, dsts = _tensors(src), _tensors(dst)
     fused = dict(fused or {})
-    if not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
-        raise ValueError(f"relayout: bucket_bytes must be a positive int, got {bucket_bytes!r}")
+    if bucket_bytes is not None and (not isinstance(bucket_bytes, int) or bucket_bytes <= 0):
+        raise ValueError(f"relayout: bucket_bytes must be a positive int (or None: chosen from "
+                         f"the traffic), got {bucket_bytes!r}")
     moves = []
     for dst_name, d in dsts.items():
         dspec = _spec_of(dst_name, d)
+        per_rank = False
         if dst_name in fused:
             cat = fused[dst_name]
-            if not isinstance(cat, Concat):
-                raise TypeError(f"relayout: fused[{dst_name!r}] must be a Concat(names, dim), "
-                                f"got {cat!r}")
+            per_rank = concat_layout(dst_name, cat, dspec)
             sources, dim = list(cat.names), cat.dim % max(dspec.ndim, 1)
         else:
             mapped = name_map(dst_name) if callable(name_map) else \
                 (name_map or {}).get(dst_name, dst_name)
             sources, dim = [mapped], None
-        offset = 0
+        sspecs = []
         for src_name in sources:
             if src_name not in srcs:
                 raise KeyError(f"relayout: destination {dst_name!r} needs source {src_name!r}, "
@@ -410,27 +502,57 @@ def plan_relayout(src, dst, *, name_map: dict | Callable | None = None,
                 raise ValueError(
                     f"relayout: {src_name!r} is {sspec.dtype} and destination {dst_name!r} is "
                     f"{dspec.dtype}; pass dtype={dspec.dtype} to cast on the way")
-            region = None
             if dim is not None:
                 expect = list(dspec.shape)
                 expect[dim] = sspec.shape[dim] if sspec.ndim == dspec.ndim else -1
                 if list(sspec.shape) != expect:
                     raise ValueError(
                         f"relayout: fused {dst_name!r} {tuple(dspec.shape)} cannot hold "
-                        f"{src_name!r} {tuple(sspec.shape)} along dim {dim}")
-                region = (dim, offset)
-                offset += sspec.shape[dim]
+                        f"{src_name!r} {tuple(sspec.shape)} along dim {dim} (every other dim "
+                        "must match)")
             elif tuple(sspec.shape) != tuple(dspec.shape):
                 raise ValueError(f"relayout: shape mismatch: source {src_name!r} is "
                                  f"{tuple(sspec.shape)}, destination {dst_name!r} is "
                                  f"{tuple(dspec.shape)}")
-            travel = _with_dtype(reduced_source(sspec), wire)
-            plan = plan_cross_mesh(travel, _with_dtype(dspec, wire), region)
-            moves.append(_Move(dst_name, src_name, travel, dspec, region, plan))
-        if dim is not None and offset != dspec.shape[dim]:
+            sspecs.append(sspec)
+        if dim is not None and sum(s.shape[dim] for s in sspecs) != dspec.shape[dim]:
             raise ValueError(f"relayout: fused {dst_name!r} has {dspec.shape[dim]} rows along "
-                             f"dim {dim} but its sources {sources} fill {offset}")
+                             f"dim {dim} but its sources {sources} have "
+                             f"{[s.shape[dim] for s in sspecs]} (sum "
+                             f"{sum(s.shape[dim] for s in sspecs)}); the sizes must add up")
+        parts = part_specs(dspec, sspecs) if per_rank else None
+        if per_rank:
+            check_per_rank_sizes(dst_name, dspec, dim, sources, parts)
+        offset = 0
+        for i, (src_name, sspec) in enumerate(zip(sources, sspecs)):
+            wire = dtype or sspec.dtype
+            travel = _with_dtype(reduced_source(sspec), wire)
+            if per_rank:
+                region = (dim, None)
+                plan = plan_cross_mesh(travel, _with_dtype(parts[i], wire))
+            else:
+                region = None if dim is None else (dim, offset)
+                plan = plan_cross_mesh(travel, _with_dtype(dspec, wire), region)
+            moves.append(_Move(dst_name, src_name, travel, dspec, region, plan, parts, i))
+            if dim is not None:
+                offset += sspec.shape[dim]
+    if bucket_bytes is None:
+        bucket_bytes = auto_bucket_bytes(moves)
     return RelayoutPlan(moves, _buckets(moves, bucket_bytes), bucket_bytes, dtype)
+
+
+def auto_bucket_bytes(moves) -> int:
+    """The default bucket: 1/32 of the most any rank sends or receives over all ``moves``,
+    within [1 MiB, 256 MiB] (why: at ``AUTO_BUCKET_FRACTION``)."""
+    sent: dict = {}
+    recv: dict = {}
+    for m in moves:
+        s_m, r_m = _rank_bytes(m.plan)
+        for table, part in ((sent, s_m), (recv, r_m)):
+            for r, n in part.items():
+                table[r] = table.get(r, 0) + n
+    busiest = max([*sent.values(), *recv.values(), 0])
+    return min(max(busiest // AUTO_BUCKET_FRACTION, AUTO_BUCKET_MIN), AUTO_BUCKET_MAX)
 
 
 def _buckets(moves, bucket_bytes: int) -> list:

@@ -5,6 +5,11 @@ with ``dtensor_lite.relayout`` -- and, for comparison, with the two ways people 
     torchrun --standalone --nproc-per-node 4 examples/rl_weight_sync.py                # colocated
     torchrun --standalone --nproc-per-node 6 examples/rl_weight_sync.py --rollout 2    # disjoint
 
+Two separately launched jobs (the engine in vLLM's fused layout; examples/rl_two_jobs.py):
+
+    torchrun --standalone --nproc-per-node 4 examples/rl_weight_sync.py --trainer-job 127.0.0.1:29600
+    torchrun --standalone --nproc-per-node 2 examples/rl_weight_sync.py --engine-job 127.0.0.1:29600
+
 Colocated: the trainer is FSDP over all ranks, the engine two TP-2 replicas on the same ranks.
 Disjoint (``--rollout R``): the trainer is FSDP on the first ranks, the engine TP-R on the last R.
 The engine generates greedily in bf16 (``--dtype float32`` for fp32); the tokens are checked
@@ -156,7 +161,8 @@ def parse_args(argv=None):
     ap.add_argument("--layers", type=int, default=2)
     ap.add_argument("--ffn", type=int, default=0, help="feed-forward width (0: 2 x dim)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    ap.add_argument("--bucket-mb", type=float, default=1.0)
+    ap.add_argument("--bucket-mb", default="auto",
+                    help="relayout bucket per rank in MiB (auto: the relayout's default rule)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     args.torch_dtype = getattr(torch, args.dtype)
@@ -186,9 +192,11 @@ def run(args) -> list:
         if not args.rollout else list(range(dist.get_world_size() - args.rollout,
                                             dist.get_world_size()))
     plan = plan_relayout(trainer_tensors, engine, dtype=args.torch_dtype,
-                         bucket_bytes=int(args.bucket_mb * 2**20))
+                         bucket_bytes=None if args.bucket_mb == "auto"
+                         else int(float(args.bucket_mb) * 2**20))
     if rank == 0:
         print(plan.report().splitlines()[0])
+        print(plan.report().splitlines()[-1])
     rows = []
     prompt = torch.arange(5).reshape(1, 5) + 1
     for sync in range(args.syncs):
@@ -236,4 +244,8 @@ def run(args) -> list:
 
 
 if __name__ == "__main__":
-    main()
+    if {"--trainer-job", "--engine-job"} & {a.split("=")[0] for a in sys.argv[1:]}:
+        from examples.rl_two_jobs import main as two_jobs  # the two-job form
+        two_jobs()
+    else:
+        main()

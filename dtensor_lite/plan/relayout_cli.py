@@ -24,7 +24,9 @@ from .cli import add_cost_args, cost_models
 from .fake_world import fake_world
 from .presets import llama_param_shapes, model_fields
 
-_COLWISE = ("wq", "wk", "wv", "w1", "w3", "output")
+_COLWISE = ("wq", "wk", "wv", "w1", "w3", "output", "qkv", "gate_up")
+# --fused: the engine's fused tensors (vLLM / SGLang), per rank: [q_r; k_r; v_r], [gate_r; up_r]
+_FUSED = {"qkv": ("wq", "wk", "wv"), "gate_up": ("w1", "w3")}
 _ROWWISE = ("wo", "w2")
 
 
@@ -47,6 +49,26 @@ def _tp_dim(name: str):
     if leaf in _ROWWISE:
         return 1
     return None  # norms: replicated
+
+
+def _fused_shapes(shapes: dict) -> tuple[dict, dict]:
+    """The destination's shapes with each layer's q, k, v and gate, up fused (rows added), and
+    the ``fused=`` argument of plan_relayout that fills them per rank."""
+    from dtensor_lite.relayout import Concat
+    out, fused = {}, {}
+    for name, shape in shapes.items():
+        prefix, _, rest = name.rpartition(".")[0].rpartition(".")
+        leaf = name.split(".")[-2] if "." in name else name
+        group = next((g for g, parts in _FUSED.items() if leaf in parts), None)
+        if group is None:
+            out[name] = shape
+            continue
+        fused_name = f"{prefix}.{group}.weight"
+        parts = [f"{prefix}.{p}.weight" for p in _FUSED[group]]
+        if fused_name not in out:
+            out[fused_name] = (sum(shapes[p][0] for p in parts), *shape[1:])
+            fused[fused_name] = Concat(parts, dim=0, per_rank=True)
+    return out, fused
 
 
 def _specs(shapes: dict, dims: dict, first_rank: int, dtype):
@@ -85,7 +107,10 @@ def main(argv=None):
     ap.add_argument("--src-dtype", choices=("fp32", "bf16"), default="fp32")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16", help="wire and "
                     "destination dtype")
-    ap.add_argument("--bucket-mb", type=float, default=1024.0)
+    ap.add_argument("--bucket-mb", type=float, default=None,
+                    help="bucket per rank in MiB (default: the relayout's own rule)")
+    ap.add_argument("--fused", action="store_true", help="the destination fuses q, k, v and "
+                    "gate, up per rank, as vLLM / SGLang hold them")
     add_cost_args(ap)
     args = ap.parse_args(argv)
     shapes = llama_param_shapes(model_fields(args.model))
@@ -96,9 +121,11 @@ def main(argv=None):
     link, _ = cost_models(args)
     with fake_world(world):
         src = _specs(shapes, src_dims, 0, dtypes[args.src_dtype])
-        dst = _specs(shapes, dst_dims, args.dst_first_rank, dtypes[args.dtype])
-        plan = plan_relayout(src, dst, dtype=dtypes[args.dtype],
-                             bucket_bytes=int(args.bucket_mb * 2**20))
+        dst_shapes, fused = _fused_shapes(shapes) if args.fused else (shapes, {})
+        dst = _specs(dst_shapes, dst_dims, args.dst_first_rank, dtypes[args.dtype])
+        plan = plan_relayout(src, dst, dtype=dtypes[args.dtype], fused=fused,
+                             bucket_bytes=None if args.bucket_mb is None
+                             else int(args.bucket_mb * 2**20))
         links = plan.link_bytes(args.gpus_per_node)
         seconds = plan.estimate_seconds(link)
         if args.json:

@@ -46,8 +46,9 @@ Box = tuple  # ((start, stop), ...) per tensor dim
 
 def check_meshes(src_mesh, dst_mesh) -> None:
     """The checks every rank makes (from the meshes alone) before a cross-mesh move."""
+    from ..mesh_layout import MeshLayout
     from ..device_mesh import DeviceMesh
-    if not isinstance(dst_mesh, DeviceMesh):
+    if not isinstance(dst_mesh, (DeviceMesh, MeshLayout)):
         raise TypeError(f"redistribute: device_mesh must be a DeviceMesh, got "
                         f"{type(dst_mesh).__name__}")
     if src_mesh.device_type != dst_mesh.device_type:
@@ -62,7 +63,11 @@ def check_meshes(src_mesh, dst_mesh) -> None:
 def mesh_instances(mesh) -> list[torch.Tensor]:
     """Every instance of ``mesh`` as the same list on every rank: a root mesh is one instance;
     a mesh sliced from a root (``root["tp"]``) has one per combination of the root's other
-    dims (each rank of the world sees only the one it belongs to as ``mesh.mesh``)."""
+    dims (each rank of the world sees only the one it belongs to as ``mesh.mesh``). A
+    described mesh (``mesh_layout.MeshLayout``) lists its instances itself."""
+    from ..mesh_layout import MeshLayout
+    if isinstance(mesh, MeshLayout):
+        return list(mesh.instances)
     permuted, others, _ = mesh._permuted_root()
     n_others = math.prod(mesh.root_layout.shape[d] for d in others) if others else 1
     return list(permuted.reshape(n_others, *mesh.shape).unbind(0))
