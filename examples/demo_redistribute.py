@@ -2,7 +2,7 @@
 
 Run it with either of::
 
-    torchrun --standalone --nproc-per-node 4 examples/demo_redistribute.py
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 examples/demo_redistribute.py
     python examples/demo_redistribute.py          # spawns the 4 processes itself
 
 Every rank runs the same program; only rank 0 prints. Each step checks itself: a redistribute

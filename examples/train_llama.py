@@ -1,13 +1,16 @@
-"""Train a small Llama-style model with FSDP, TP, FSDP+TP or HSDP+TP, chosen by ``--mesh``.
+"""Train a small Llama-style model with FSDP, TP, HSDP, pipeline stages or a mix (``--mesh``).
 
-    torchrun --standalone --nproc-per-node 4 examples/train_llama.py --mesh dp_shard=2,tp=2
-    torchrun --standalone --nproc-per-node 8 examples/train_llama.py \\
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 examples/train_llama.py --mesh dp_shard=2,tp=2
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 8 examples/train_llama.py \\
         --mesh dp_replicate=2,dp_shard=2,tp=2
-    torchrun --standalone --nproc-per-node 4 examples/train_llama.py --mesh tp=4 --no-sp
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 examples/train_llama.py --mesh tp=4 --no-sp
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 examples/train_llama.py --mesh pp=2,dp_shard=2
     python examples/train_llama.py --mesh dp_replicate=8,dp_shard=16,tp=8 --dry-run
 
 Mesh dims, outermost first (give any subset; their sizes multiply to the number of processes):
 
+* ``pp``: pipeline stages, micro-batches passed between them (``--pp-schedule``,
+  ``--microbatches``; ``examples/train_llama_pp.py``, docs/pipelining.md);
 * ``dp_replicate``: HSDP's replica groups (parameters replicated, gradients all-reduced);
 * ``dp_shard``: FSDP (parameters sharded, gathered per block, gradients reduce-scattered);
 * ``tp``: tensor parallelism (Megatron-style plan of ``examples/llama_parallel.py``), with
@@ -517,7 +520,7 @@ def _placement_cells(p, mesh, sizes) -> list[str]:
 
 # ============================================================================ command line
 def parse_args(argv=None) -> TrainConfig:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.batch is None:
         # a dry run of a large mesh: one sequence per data-parallel rank unless told otherwise
         args.batch = dp_size(parse_mesh(args.mesh, None)) if args.dry_run else TrainConfig.batch
@@ -530,12 +533,13 @@ def parse_args(argv=None) -> TrainConfig:
     return cfg
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("``", ""))
     ap.add_argument("--mesh", default=d.mesh,
-                    help="mesh dims and sizes, e.g. dp_shard=4 | tp=2 | dp_shard=2,tp=2 | "
-                         "dp_replicate=2,dp_shard=2,tp=2 (default %(default)s)")
+                    help=f"mesh dims and sizes, outermost first: {', '.join(MESH_DIMS)} (pp: "
+                         "pipeline stages), e.g. dp_shard=4 | tp=2 | dp_shard=2,tp=2 | "
+                         "dp_replicate=2,dp_shard=2,tp=2 | pp=2,dp_shard=2 (default %(default)s)")
     ap.add_argument("--steps", type=int, default=d.steps, help="total steps (default %(default)s)")
     ap.add_argument("--batch", type=int, default=None,
                     help=f"global batch in sequences (default {d.batch}; with --dry-run one per "
@@ -584,7 +588,7 @@ def _parser() -> argparse.ArgumentParser:
 def dry_run_main(argv=None):
     """``--dry-run``: the report of ``python -m dtensor_lite.plan`` for this script's model."""
     cfg = parse_args(argv)
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     link, compute = cost_models(args)
     report = dry_run(dry_run_setup(cfg), parse_mesh(cfg.mesh, None), rank=args.rank,
                      link_model=link, compute_model=compute)
@@ -593,7 +597,7 @@ def dry_run_main(argv=None):
 
 
 def main(argv=None):
-    if _parser().parse_args(argv).dry_run:
+    if build_parser().parse_args(argv).dry_run:
         return dry_run_main(argv)
     cfg = parse_args(argv)
     if "RANK" not in os.environ:  # plain `python train_llama.py`: one process
