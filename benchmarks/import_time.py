@@ -61,14 +61,13 @@ def sample(modules: list[str], checkout: str) -> dict:
 
 
 def measure(samples: int, checkout: str) -> list[dict]:
-    rows = []
-    for label, modules in ROWS.items():
-        runs = [sample(modules, checkout) for _ in range(samples)]
-        rows.append({"row": label, "modules": modules,
-                     "best_s": min(r["seconds"] for r in runs),
-                     "all_s": [r["seconds"] for r in runs],
-                     "imports_dynamo": any(r["dynamo"] for r in runs)})
-    return rows
+    runs: dict[str, list[dict]] = {label: [] for label in ROWS}
+    for _ in range(samples):  # rows interleaved: a spell of load hits every row alike
+        for label, modules in ROWS.items():
+            runs[label].append(sample(modules, checkout))
+    return [{"row": label, "modules": ROWS[label],
+             "best_s": min(r["seconds"] for r in got), "all_s": [r["seconds"] for r in got],
+             "imports_dynamo": any(r["dynamo"] for r in got)} for label, got in runs.items()]
 
 
 def table(rows: list[dict]) -> str:
