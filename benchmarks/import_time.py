@@ -1,4 +1,4 @@
-"""Start-up cost: how long ``import dtensor_lite`` takes next to ``import torch.distributed.tensor``.
+"""Start-up cost: ``import dtensor_lite``'s time next to ``import torch.distributed.tensor``'s.
 
 Every rank of every launch pays the import, so it is the first thing a user waits for. Each sample
 is a fresh ``python`` process that first imports torch (which both libraries need, and whose cost

@@ -2,8 +2,9 @@
 weights are relaid into a tensor-parallel copy used for greedy generation (the rollout engine),
 with ``dtensor_lite.relayout`` -- and, for comparison, with the two ways people write it by hand.
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 examples/rl_weight_sync.py                # colocated
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 6 examples/rl_weight_sync.py --rollout 2    # disjoint
+    # colocated, then disjoint
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 examples/rl_weight_sync.py
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 6 examples/rl_weight_sync.py --rollout 2
 
 Colocated: the trainer is FSDP over all ranks, the engine two TP-2 replicas on the same ranks.
 Disjoint (``--rollout R``): the trainer is FSDP on the first ranks, the engine TP-R on the last R.

@@ -1,10 +1,13 @@
 """Train a small Llama-style model with FSDP, TP, HSDP, pipeline stages or a mix (``--mesh``).
 
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 examples/train_llama.py --mesh dp_shard=2,tp=2
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 examples/train_llama.py \\
+        --mesh dp_shard=2,tp=2
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 8 examples/train_llama.py \\
         --mesh dp_replicate=2,dp_shard=2,tp=2
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 examples/train_llama.py --mesh tp=4 --no-sp
-    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 examples/train_llama.py --mesh pp=2,dp_shard=2
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 examples/train_llama.py \\
+        --mesh tp=4 --no-sp
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 examples/train_llama.py \\
+        --mesh pp=2,dp_shard=2
     python examples/train_llama.py --mesh dp_replicate=8,dp_shard=16,tp=8 --dry-run
 
 Mesh dims, outermost first (give any subset; their sizes multiply to the number of processes):

@@ -133,9 +133,11 @@ def rank_table(per_rank: list[dict], device_type: str):
                 "peak memory\nMiB"):
         table.add_column(col, justify="right", no_wrap=True)
     for r in per_rank:
-        table.add_row(str(r["rank"]), f"{1e3 * r['step_s']:.1f}", f"{1e3 * r['exposed_comm_s']:.1f}",
+        table.add_row(str(r["rank"]), f"{1e3 * r['step_s']:.1f}",
+                      f"{1e3 * r['exposed_comm_s']:.1f}",
                       f"{100 * r['exposed_comm_s'] / r['step_s']:.0f}%",
-                      f"{1e3 * r['comm_in_flight_s']:.1f}", f"{r['peak_memory_bytes'] / 2**20:,.0f}")
+                      f"{1e3 * r['comm_in_flight_s']:.1f}",
+                      f"{r['peak_memory_bytes'] / 2**20:,.0f}")
     return table
 
 
@@ -143,7 +145,8 @@ def bubble_table(rows: list[dict], schedule: str, microbatches: int, device_type
     """Measured idle fraction per rank beside the schedule's (unit-cost) analytical one."""
     from rich.table import Table
     where = "gloo on CPU" if device_type == "cpu" else "the interconnect"
-    table = Table(title=f"pipeline bubble: {schedule}, {counted(microbatches, 'micro-batch', 'micro-batches')}",
+    batches = counted(microbatches, "micro-batch", "micro-batches")
+    table = Table(title=f"pipeline bubble: {schedule}, {batches}",
                   caption="measured: 1 - (time in this rank's forward/backward) / step time "
                           "(median over steps after the first); it includes the waits for "
                           f"sends and receives ({where}), the optimizer step and host overhead.\n"

@@ -97,7 +97,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="gather the logits instead of a vocab-parallel loss")
     ap.add_argument("--pp-schedule", default="1f1b",
                     help="with a pp dim, a schedule the setup knows; the example's: gpipe | "
-                         "1f1b | interleaved | zero-bubble | zbv | looped-bfs (default %(default)s)")
+                         "1f1b | interleaved | zero-bubble | zbv | looped-bfs "
+                         "(default %(default)s)")
     ap.add_argument("--microbatches", type=int, default=8,
                     help="micro-batches per step with a pp dim (default %(default)s)")
     add_cost_args(ap)

@@ -19,8 +19,8 @@ import math
 import sys
 from pathlib import Path
 
-__all__ = ["EXAMPLE", "LLAMA3", "LLAMA_FIELDS", "model_fields", "preset_names", "llama_param_shapes",
-           "n_params"]
+__all__ = ["EXAMPLE", "LLAMA3", "LLAMA_FIELDS", "model_fields", "preset_names",
+           "llama_param_shapes", "n_params"]
 
 LLAMA_FIELDS = {"vocab_size": 256, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": None,
                 "ffn_dim": 128, "max_seq_len": 64, "norm_eps": 1e-5, "rope_theta": 10000.0}
