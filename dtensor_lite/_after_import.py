@@ -45,7 +45,8 @@ def _run_callbacks(name: str, module) -> None:
 
 class _Finder(importlib.abc.MetaPathFinder):
     """Finds nothing itself: hands ``name``'s spec back from the finders after it, with a loader
-    that runs the callbacks once the module has executed."""
+    that runs the callbacks once the module has executed. It stays until then: a mere
+    ``importlib.util.find_spec`` (asking, not importing) must not use it up."""
 
     def __init__(self, name: str):
         self.name = name
@@ -53,13 +54,12 @@ class _Finder(importlib.abc.MetaPathFinder):
     def find_spec(self, fullname, path, target=None):
         if fullname != self.name:
             return None
-        sys.meta_path.remove(self)  # one module, once: every later import is untouched
         for finder in sys.meta_path:
             find = getattr(finder, "find_spec", None)
-            spec = find(fullname, path, target) if find else None
+            spec = find(fullname, path, target) if find and finder is not self else None
             if spec is not None:
                 if spec.loader is not None:
-                    spec.loader = _ThenRun(spec.loader, fullname)
+                    spec.loader = _ThenRun(spec.loader, self)
                 return spec
         return None
 
@@ -67,20 +67,19 @@ class _Finder(importlib.abc.MetaPathFinder):
 class _ThenRun(importlib.abc.Loader):
     """``loader`` unchanged, then the callbacks; the module keeps the original loader."""
 
-    def __init__(self, loader, name: str):
-        self.loader, self.name = loader, name
+    def __init__(self, loader, finder: _Finder):
+        self.loader, self.finder = loader, finder
 
     def create_module(self, spec):
         return self.loader.create_module(spec)
 
     def exec_module(self, module):
         module.__loader__ = module.__spec__.loader = self.loader
-        try:
-            self.loader.exec_module(module)
-        except BaseException:
-            sys.meta_path.insert(0, _Finder(self.name))  # the callbacks wait for a later import
-            raise
-        _run_callbacks(self.name, module)
+        self.loader.exec_module(module)  # if it raises, the finder waits for a later import
+        with _lock:
+            if self.finder in sys.meta_path:  # one module, once: later imports are untouched
+                sys.meta_path.remove(self.finder)
+        _run_callbacks(self.finder.name, module)
 
     def __getattr__(self, attr):  # get_source, is_package, ... as the original loader answers
         return getattr(self.loader, attr)

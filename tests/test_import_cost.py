@@ -91,6 +91,9 @@ def test_after_import_runs_the_callback_after_the_module_and_once(tmp_path):
         seen = []
         after_import("slow_module", lambda m: seen.append(m.VALUE))
         print(seen == [])                       # not imported by us
+        import importlib.util
+        importlib.util.find_spec("slow_module")  # asked about, not imported: still waiting
+        print(seen == [])
         import slow_module
         print(seen == [7])                      # run once the module has executed
         import importlib; importlib.reload(slow_module)
@@ -99,4 +102,4 @@ def test_after_import_runs_the_callback_after_the_module_and_once(tmp_path):
         after_import("slow_module", lambda m: seen.append("now"))
         print(seen == [7, "now"])               # already imported: at once
         """)
-    assert out.split() == ["True"] * 5
+    assert out.split() == ["True"] * 6
