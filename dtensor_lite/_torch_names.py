@@ -185,7 +185,13 @@ dispatch_get_all_op_names = private("torch._C._dispatch_get_all_op_names")
 get_operation_overload = private("torch._C._get_operation_overload", None)  # callers fall back
 jit_get_all_schemas = private("torch._C._jit_get_all_schemas")
 # a decorator keeping Dynamo out of a function; a torch without it traces the function instead
+# (torch's own wrapper: it imports Dynamo at its first call, not here)
 disable_dynamo = private("torch._disable_dynamo", lambda fn: fn)
+# Dynamo costs seconds of start-up: its names are looked up only once something else (torch.compile)
+# has imported it (compile_support.py); DEFERRED lists them so tests/test_torch_names.py checks them
+DYNAMO = "torch._dynamo"
+NONSTRICT_TRACE = "torch._dynamo.nonstrict_trace"
+DEFERRED = (NONSTRICT_TRACE,)
 make_wrapper_subclass = private("torch.Tensor._make_wrapper_subclass")
 autograd_engine = private("torch.autograd.Variable._execution_engine")  # queue_callback
 backend_options = private_class("torch._C._distributed_c10d.Backend.Options")

@@ -13,6 +13,9 @@
   placements, specs -- are pytree constants (hashable, compared by ``__eq__``; made before the
   compiled region), and ``None`` travels as a constant stand-in because nonstrict_trace refuses
   it.
+* Nothing here imports Dynamo: it costs seconds of every rank's start-up, and torch's DTensor does
+  not pay them either. A boundary registers its traced form once Dynamo is imported (by
+  ``torch.compile`` itself, which imports it before tracing anything; ``_after_import.py``).
 """
 from __future__ import annotations
 
@@ -22,6 +25,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from . import _torch_names as torch_names
+from ._after_import import after_import
 from ._torch_names import is_functional_tensor, is_functorch_wrapped_tensor
 
 __all__ = ["boundary", "is_traced", "register_constants"]
@@ -70,9 +74,14 @@ def _call_decoded(fn, args, kwargs):
 def boundary(fn):
     """``fn`` unchanged in eager; under Dynamo one opaque call that AOTAutograd traces for real
     (its Python never runs in Dynamo). Arguments: tensors and registered constants."""
-    # looked up at the call, not at import: importing Dynamo costs seconds of start-up
-    traced = torch_names.private("torch._dynamo.nonstrict_trace")(
-        functools.partial(_call_decoded, fn))
+    traced = None  # nonstrict_trace's form of fn, made once Dynamo is imported
+
+    def register(_dynamo):
+        nonlocal traced
+        traced = torch_names.private(torch_names.NONSTRICT_TRACE)(
+            functools.partial(_call_decoded, fn))
+
+    after_import(torch_names.DYNAMO, register)
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):

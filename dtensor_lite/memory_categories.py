@@ -13,5 +13,12 @@ COMM_BUFFERS = "comm_buffers"          # all-gather / reduce-scatter buffers of 
 CATEGORIES = (SHARDED_PARAMS, UNSHARDED_PARAMS, GRADIENTS, OPTIMIZER_STATE, ACTIVATIONS,
               COMM_BUFFERS)
 
+# column headers short enough for a table of every category on an 80-column terminal, and the
+# legend that says what each stands for
+SHORT_NAMES = {SHARDED_PARAMS: "sharded", UNSHARDED_PARAMS: "unshard.", GRADIENTS: "grads",
+               OPTIMIZER_STATE: "optim", ACTIVATIONS: "activ.", COMM_BUFFERS: "comm"}
+LEGEND = ("sharded / unshard.: parameters as stored / gathered by FSDP for compute; grads: "
+          "gradients; optim: optimizer state; activ.: activations; comm: collective buffers")
+
 __all__ = ["CATEGORIES", "SHARDED_PARAMS", "UNSHARDED_PARAMS", "GRADIENTS", "OPTIMIZER_STATE",
-           "ACTIVATIONS", "COMM_BUFFERS"]
+           "ACTIVATIONS", "COMM_BUFFERS", "SHORT_NAMES", "LEGEND"]

@@ -31,8 +31,9 @@ from typing import Callable
 
 import torch
 
-from .memory_categories import (ACTIVATIONS, CATEGORIES, COMM_BUFFERS, GRADIENTS,
-                                OPTIMIZER_STATE, SHARDED_PARAMS, UNSHARDED_PARAMS)
+from .memory_categories import (ACTIVATIONS, CATEGORIES, COMM_BUFFERS, GRADIENTS, LEGEND,
+                                OPTIMIZER_STATE, SHARDED_PARAMS, SHORT_NAMES, UNSHARDED_PARAMS)
+from ._tables import compact_table
 from .quiet_profiler import memory_profile
 
 __all__ = ["MemoryTracker", "FSDP_EVENT_OBSERVERS"]
@@ -282,18 +283,19 @@ class MemoryTracker:
     def table(self, per_module: bool = True, title: str | None = None):
         """A rich Table in MiB: the peak of each (module, phase) -- of each phase with
         ``per_module=False`` -- split into categories, and what was held at the start."""
-        from rich.table import Table
         # CPU: what the profiler's events cannot show, said once, where the figures are
         unseen = None if self.is_cuda else ("a block allocated before tracking and freed during "
                                             "it is not subtracted (the profiler cannot size it)")
-        t = Table(title=title or f"memory above start: peak {_mib(self.peak_bytes)} MiB",
-                  caption=unseen)
+        # short headers explained by a legend, values never wrapped: nine columns fit an
+        # 80-column terminal
+        t = compact_table(title=title or f"memory above start: peak {_mib(self.peak_bytes)} MiB",
+                          caption="\n".join(filter(None, [LEGEND, unseen])))
         if per_module:
-            t.add_column("module")
+            t.add_column("module", overflow="fold")
         t.add_column("phase")
-        t.add_column("peak", justify="right")
+        t.add_column("peak", justify="right", no_wrap=True)
         for k in CATEGORIES:
-            t.add_column(k.replace("_", " "), justify="right")
+            t.add_column(SHORT_NAMES[k], justify="right", no_wrap=True)
         rows = self.by_module_phase() if per_module else {
             (None, phase): row for phase, row in self.by_phase().items()}
         for (module, phase), row in rows.items():

@@ -36,6 +36,7 @@ import torch
 import torch.nn as nn
 
 from . import collectives as C
+from ._text import counted
 from .dtensor import DTensor, default_mesh
 from .placements import Replicate
 from .redistribute.cross_mesh import (box_volume, box_slices, check_meshes, mesh_instances,
@@ -200,7 +201,8 @@ class RelayoutPlan:
 
     def report(self, top: int = 16) -> str:
         pairs = self.pair_bytes()
-        lines = [f"relayout: {len(self.moves)} moves in {len(self.buckets)} buckets of <= "
+        lines = [f"relayout: {counted(len(self.moves), 'move')} in "
+                 f"{counted(len(self.buckets), 'bucket')} of <= "
                  f"{_mb(self.bucket_bytes)} per rank, wire dtype {self.wire_dtype or 'as source'}",
                  f"total bytes moved: {_mb(sum(pairs.values()))} over {len(pairs)} rank pairs; "
                  "busiest sender: " + (_busiest(self.bytes_sent()) if pairs else "none")

@@ -2,7 +2,7 @@
 
 Run it with either of::
 
-    torchrun --standalone --nproc-per-node 4 examples/demo_redistribute.py
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 examples/demo_redistribute.py
     python examples/demo_redistribute.py          # spawns the 4 processes itself
 
 Every rank runs the same program; only rank 0 prints. Each step checks itself: a redistribute
@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 from rich.columns import Columns
-from rich.console import Console
+from rich.console import Console, Group
 from rich.rule import Rule
 from rich.table import Table
 from rich.text import Text
@@ -106,7 +106,7 @@ def _fmt(placements) -> str:
 
 # ----------------------------------------------------------------------------- checked steps
 def checked_redistribute(x: DTensor, mesh: DeviceMesh, placements, original: torch.Tensor):
-    """Redistribute ``x`` and check it three ways; return (result, plan table with its checks)."""
+    """Redistribute ``x`` and check it three ways; return (result, plan table and its checks)."""
     plan = explain_redistribute(x, mesh, placements)     # the plan, without running it
     with CommDebugMode() as comm:
         y = x.redistribute(mesh, placements)
@@ -120,10 +120,10 @@ def checked_redistribute(x: DTensor, mesh: DeviceMesh, placements, original: tor
     table = plan.table()
     table.title = f"{_fmt(x.placements)} -> {_fmt(y.placements)}"
     counts = ", ".join(f"{k} x{v}" for k, v in sorted(comm.get_comm_counts().items())) or "none"
-    table.caption = (f"CommDebugMode: {counts}, {comm.get_total_bytes()} B = plan ✓\n"
-                     "full_tensor() == original ✓")
-    table.caption_justify = "left"
-    return y, table
+    # below the table, not as its caption: a caption wraps at the table's width (a lone ✓)
+    checks = Text(f"CommDebugMode: {counts}, {comm.get_total_bytes()} B = plan ✓\n"
+                  "full_tensor() == original ✓")
+    return y, Group(table, checks)
 
 
 def linear_forward_backward(mesh: DeviceMesh):
@@ -168,10 +168,8 @@ def linear_forward_backward(mesh: DeviceMesh):
         t.add_row(name, _fmt(param.placements), _fmt(param.grad.placements),
                   f"{(grad - ref_grad).abs().max().item():.1e}")
     counts = ", ".join(f"{k} x{v}" for k, v in sorted(comm.get_comm_counts().items()))
-    t.caption = (f"loss = out.pow(2).mean(); collectives in forward + backward: "
-                 f"{counts or 'none'}\noutput, loss and gradients match plain torch ✓")
-    t.caption_justify = "left"
-    return t
+    return Group(t, Text(f"loss = out.pow(2).mean(); collectives in forward + backward: "
+                         f"{counts or 'none'}\noutput, loss and gradients match plain torch ✓"))
 
 
 # ----------------------------------------------------------------------------- the tour

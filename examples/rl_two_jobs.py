@@ -3,8 +3,10 @@ and an inference-engine job (``rl_engine.EngineLlama``: TP over its own world, v
 ``[q_r; k_r; v_r]`` / ``[gate_r; up_r]`` layout in its own buffers), each started by its own
 ``torchrun``, joined through a rendezvous address (``dtensor_lite.jobs``):
 
-    torchrun --standalone --nproc-per-node 4 examples/rl_weight_sync.py --trainer-job 127.0.0.1:29600
-    torchrun --standalone --nproc-per-node 2 examples/rl_weight_sync.py --engine-job 127.0.0.1:29600
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 examples/rl_weight_sync.py \
+        --trainer-job 127.0.0.1:29600
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 examples/rl_weight_sync.py \
+        --engine-job 127.0.0.1:29600
 
 The trainer trains one step, syncs, and again (``--steps``); after each sync the engine
 generates greedily. The engine passes what only it knows (its fused tensors, the wire dtype);

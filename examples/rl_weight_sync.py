@@ -2,13 +2,16 @@
 weights are relaid into a tensor-parallel copy used for greedy generation (the rollout engine),
 with ``dtensor_lite.relayout`` -- and, for comparison, with the two ways people write it by hand.
 
-    torchrun --standalone --nproc-per-node 4 examples/rl_weight_sync.py                # colocated
-    torchrun --standalone --nproc-per-node 6 examples/rl_weight_sync.py --rollout 2    # disjoint
+    # colocated, then disjoint
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 examples/rl_weight_sync.py
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 6 examples/rl_weight_sync.py --rollout 2
 
 Two separately launched jobs (the engine in vLLM's fused layout; examples/rl_two_jobs.py):
 
-    torchrun --standalone --nproc-per-node 4 examples/rl_weight_sync.py --trainer-job 127.0.0.1:29600
-    torchrun --standalone --nproc-per-node 2 examples/rl_weight_sync.py --engine-job 127.0.0.1:29600
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 examples/rl_weight_sync.py \
+        --trainer-job 127.0.0.1:29600
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 examples/rl_weight_sync.py \
+        --engine-job 127.0.0.1:29600
 
 Colocated: the trainer is FSDP over all ranks, the engine two TP-2 replicas on the same ranks.
 Disjoint (``--rollout R``): the trainer is FSDP on the first ranks, the engine TP-R on the last R.
@@ -152,19 +155,33 @@ def sync_rank0_broadcast(trainer_tensors, engine, engine_ranks):
     return sent
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--rollout", type=int, default=0, help="engine ranks (0: colocated)")
-    ap.add_argument("--syncs", type=int, default=2)
-    ap.add_argument("--sync-every", type=int, default=3)
-    ap.add_argument("--dim", type=int, default=64)
-    ap.add_argument("--layers", type=int, default=2)
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("``", ""))
+    ap.add_argument("--rollout", type=int, default=0,
+                    help="engine ranks, the last ones (default 0: colocated on every rank)")
+    ap.add_argument("--syncs", type=int, default=2, help="weight syncs (default %(default)s)")
+    ap.add_argument("--sync-every", type=int, default=3,
+                    help="training steps between syncs (default %(default)s)")
+    ap.add_argument("--dim", type=int, default=64, help="model width (default %(default)s)")
+    ap.add_argument("--layers", type=int, default=2, help="blocks (default %(default)s)")
     ap.add_argument("--ffn", type=int, default=0, help="feed-forward width (0: 2 x dim)")
-    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
+                    help="the engine's dtype (default %(default)s)")
     ap.add_argument("--bucket-mb", default="auto",
-                    help="relayout bucket per rank in MiB (auto: the relayout's default rule)")
-    ap.add_argument("--json", default=None)
-    args = ap.parse_args(argv)
+                    help="relayout bucket per rank in MiB (default auto: the relayout's own rule)")
+    ap.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
+    jobs = ap.add_argument_group(
+        "two separately launched jobs", "run as one side of examples/rl_two_jobs.py (its "
+        "options apply: python examples/rl_two_jobs.py --help)")
+    side = jobs.add_mutually_exclusive_group()
+    side.add_argument("--trainer-job", metavar="HOST:PORT",
+                      help="the trainer job; its rank 0 hosts the rendezvous at HOST:PORT")
+    side.add_argument("--engine-job", metavar="HOST:PORT", help="the engine job")
+    return ap
+
+
+def parse_args(argv=None):
+    args = build_parser().parse_args(argv)
     args.torch_dtype = getattr(torch, args.dtype)
     return args
 

@@ -1,13 +1,19 @@
-"""Train a small Llama-style model with FSDP, TP, FSDP+TP or HSDP+TP, chosen by ``--mesh``.
+"""Train a small Llama-style model with FSDP, TP, HSDP, pipeline stages or a mix (``--mesh``).
 
-    torchrun --standalone --nproc-per-node 4 examples/train_llama.py --mesh dp_shard=2,tp=2
-    torchrun --standalone --nproc-per-node 8 examples/train_llama.py \\
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 examples/train_llama.py \\
+        --mesh dp_shard=2,tp=2
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 8 examples/train_llama.py \\
         --mesh dp_replicate=2,dp_shard=2,tp=2
-    torchrun --standalone --nproc-per-node 4 examples/train_llama.py --mesh tp=4 --no-sp
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 examples/train_llama.py \\
+        --mesh tp=4 --no-sp
+    OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 4 examples/train_llama.py \\
+        --mesh pp=2,dp_shard=2
     python examples/train_llama.py --mesh dp_replicate=8,dp_shard=16,tp=8 --dry-run
 
 Mesh dims, outermost first (give any subset; their sizes multiply to the number of processes):
 
+* ``pp``: pipeline stages, micro-batches passed between them (``--pp-schedule``,
+  ``--microbatches``; ``examples/train_llama_pp.py``, docs/pipelining.md);
 * ``dp_replicate``: HSDP's replica groups (parameters replicated, gradients all-reduced);
 * ``dp_shard``: FSDP (parameters sharded, gathered per block, gradients reduce-scattered);
 * ``tp``: tensor parallelism (Megatron-style plan of ``examples/llama_parallel.py``), with
@@ -63,6 +69,8 @@ from examples.llama_parallel import (AC_MODES, apply_activation_checkpointing,  
                                      parallelize_llama)
 from examples.train_llama_pp import (PP_SCHEDULES, bubble_row, build_pipelined,  # noqa: E402
                                      reshard_kwargs)
+from examples.train_llama_screens import (Display, after_warmup, bubble_table,  # noqa: E402
+                                          gather_parameter_rows, parameter_rows)
 from fsdp import MixedPrecisionPolicy, fully_shard  # noqa: E402
 from tp import loss_parallel  # noqa: E402
 
@@ -241,8 +249,14 @@ def train(cfg: TrainConfig) -> list[float]:
     else:
         model, opt = build(cfg, mesh, sizes)
     start = load_checkpoint(cfg.resume, model, opt) if cfg.resume else 0
-    show = _Display(cfg, mesh, sizes, model, start) if not cfg.quiet and dist.get_rank() == 0 \
-        else None
+    show = None
+    if not cfg.quiet:
+        pp_rank = mesh.get_local_rank("pp") if schedule is not None else None
+        rows = parameter_rows(model, sizes, pp_rank)
+        if schedule is not None:  # each pp rank holds its stages' parameters: gather them all
+            rows = gather_parameter_rows(rows, mesh.get_group("pp"), model_order(cfg))
+        if dist.get_rank() == 0:
+            show = Display(cfg, mesh, sizes, rows, start)
 
     world_mesh = init_device_mesh(device_type, (world,))
     tokens = corpus_tokens()
@@ -282,25 +296,15 @@ def train(cfg: TrainConfig) -> list[float]:
         bubbles = [None] * world
         dist.all_gather_object(bubbles, bubble_row(schedule, pp_idle))
         if show:
-            show.console.print(_bubble_table(bubbles, cfg))
+            show.console.print(bubble_table(bubbles, cfg.pp_schedule, cfg.microbatches,
+                                            device_type))
     return losses
 
 
-def after_warmup(per_step: list) -> list:
-    """The steps every reported median is taken over: all but the first, which pays for warm-up
-    (process groups, caches, compilation) -- or the only one."""
-    return per_step[1:] or per_step
-
-
-def median_step(step_seconds: list[float]) -> float:
-    """The median of ``after_warmup``'s step times (on rank 0: its "step ms")."""
-    return statistics.median(after_warmup(step_seconds))
-
-
-def throughput(step_seconds: list[float], tokens_per_step: int) -> float:
-    """The run's tokens/s, the one figure the progress bar and the summary show: the global
-    batch's tokens over ``median_step``."""
-    return tokens_per_step / median_step(step_seconds)
+def model_order(cfg: TrainConfig) -> list[str]:
+    """The whole model's parameter names in its own order (built on the meta device: no memory)."""
+    with torch.device("meta"):
+        return [name for name, _ in Llama(cfg.model).named_parameters()]
 
 
 def rank_summary(timings, device_type: str) -> dict:
@@ -384,140 +388,9 @@ def reference_losses(cfg: TrainConfig) -> list[float]:
             for step in range(cfg.steps)]
 
 
-# ============================================================================ output (rank 0)
-class _Display:
-    """rich tables of the mesh and the parameter layouts, a progress bar, a summary."""
-
-    ROLES = {"pp": "pipeline stages, micro-batches passed between them",
-             "dp_replicate": "replicate parameters, all-reduce gradients (HSDP)",
-             "dp_shard": "shard parameters, all-gather / reduce-scatter (FSDP)",
-             "tp": "split matmuls and activations (tensor parallel)"}
-
-    def __init__(self, cfg, mesh, sizes, model, start):
-        from rich.console import Console
-        from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TextColumn,
-                                   TimeElapsedColumn)
-        from rich.table import Table
-
-        self.console = Console()
-        self.memory = None  # a MemoryTracker of the last step
-        self.t0 = time.perf_counter()
-        self.tokens_per_step = cfg.batch * cfg.seq
-        self.first_step = start                 # 0-based: the first step this run trains
-        self.step_seconds: list[float] = []     # rank 0's step times, as in its "step ms"
-        mesh_table = Table(title=f"device mesh ({mesh.device_type}, "
-                                 f"{mesh.mesh.numel()} ranks)")
-        for col in ("dim", "size", "role"):
-            mesh_table.add_column(col)
-        for name, size in sizes.items():
-            mesh_table.add_row(name, str(size), self.ROLES[name])
-        self.console.print(mesh_table)
-        params = Table(title="parameters: global shape, placement per mesh dim, rank 0's piece",
-                       caption="S(d): shard dim d, R: replicate; S(d)* splits each piece that "
-                               "the dims to its right cut first (PyTorch's _StridedShard)")
-        for col in ("name", "global", *(n for n in sizes), "local"):
-            params.add_column(col)
-        for name, p in model.named_parameters():
-            params.add_row(name, str(tuple(p.shape)), *_placement_cells(p, mesh, sizes),
-                           str(tuple(p.to_local().shape) if isinstance(p, DTensor) else p.shape))
-        self.console.print(params)
-        extras = []
-        if "tp" in sizes:
-            extras.append(f"sequence parallel {'on' if cfg.sequence_parallel else 'off'}, "
-                          f"loss parallel {'on' if cfg.loss_parallel else 'off'}")
-        if start:
-            extras.append(f"resumed from {cfg.resume} at step {start}")
-        if extras:
-            self.console.print("; ".join(extras))
-        self.progress = Progress(TextColumn("[bold]training"), BarColumn(), MofNCompleteColumn(),
-                                 TextColumn("loss {task.fields[loss]:.4f}"),
-                                 TextColumn("{task.fields[rate]:,.0f} tokens/s"),
-                                 TimeElapsedColumn(), console=self.console)
-        self.task = self.progress.add_task("train", total=cfg.steps, completed=start,
-                                           loss=float("nan"), rate=0.0)
-        self.progress.start()
-
-    def step(self, step: int, loss: float, seconds: float):
-        self.step_seconds.append(seconds)
-        self.progress.update(self.task, completed=step + 1, loss=loss,
-                             rate=throughput(self.step_seconds, self.tokens_per_step))
-
-    def _steps_measured(self) -> str:
-        """Which steps (numbered from 1) ``throughput`` takes its median over."""
-        first, last = self.first_step + 1, self.first_step + len(self.step_seconds)
-        if first == last:
-            return f"step {first} only, warm-up included"
-        return f"steps {first + 1}-{last}" if first + 1 < last else f"step {last}"
-
-    def finish(self, losses: list[float], saved: str | None, per_rank: list[dict] | None = None):
-        self.progress.stop()
-        if not losses:
-            self.console.print("nothing to do: the checkpoint is already at --steps")
-            return
-        if per_rank:
-            self.console.print(_rank_table(per_rank))
-        rate = throughput(self.step_seconds, self.tokens_per_step)
-        self.console.print(
-            f"[bold green]done[/]: {len(losses)} steps in {time.perf_counter() - self.t0:.1f} s, "
-            f"loss {losses[0]:.4f} -> {losses[-1]:.4f}, {rate:,.0f} tokens/s"
-            + (f", checkpoint saved to {saved}" if saved else ""))
-        # the definition of the figure (the progress bar shows the same one)
-        self.console.print(f"[dim]tokens/s = {self.tokens_per_step:,} tokens per step / "
-                           f"{1e3 * median_step(self.step_seconds):.1f} ms, rank 0's median "
-                           f"step ({self._steps_measured()})[/]")
-        if self.memory is not None:
-            self.console.print(self.memory.table(
-                per_module=False, title=f"rank 0, last step: peak "
-                f"{self.memory.peak_bytes / 2**20:.2f} MiB above its start (MiB)"))
-
-
-def _rank_table(per_rank: list[dict]):
-    from rich.table import Table
-    table = Table(title="per rank (medians over steps after the first)",
-                  caption="exposed: time the step waited on collectives; in flight: issue to "
-                          "completion, summed over collectives (dtensor_lite.debug.ExposedCommMode)")
-    for col in ("rank", "step ms", "exposed comm ms", "exposed % of step", "comm in flight ms",
-                "peak memory MiB"):
-        table.add_column(col, justify="right")
-    for r in per_rank:
-        table.add_row(str(r["rank"]), f"{1e3 * r['step_s']:.1f}", f"{1e3 * r['exposed_comm_s']:.1f}",
-                      f"{100 * r['exposed_comm_s'] / r['step_s']:.0f}%",
-                      f"{1e3 * r['comm_in_flight_s']:.1f}", f"{r['peak_memory_bytes'] / 2**20:,.0f}")
-    return table
-
-
-def _bubble_table(rows: list[dict], cfg):
-    """Measured idle fraction per rank beside the schedule's (unit-cost) analytical one."""
-    from rich.table import Table
-    table = Table(title=f"pipeline bubble: {cfg.pp_schedule}, {cfg.microbatches} micro-batches",
-                  caption="measured: 1 - (time in this rank's forward/backward) / step time "
-                          "(median over steps after the first); analytical: the schedule played "
-                          "with F = 1, B = 2 and free communication")
-    for col in ("rank", "pp rank", "measured idle", "analytical idle"):
-        table.add_column(col, justify="right")
-    for rank, r in enumerate(rows):
-        table.add_row(str(rank), str(r["pp_rank"]), f"{100 * r['measured']:.0f}%",
-                      f"{100 * r['analytical']:.0f}%")
-    return table
-
-
-def _placement_cells(p, mesh, sizes) -> list[str]:
-    """One short cell per mesh dim: what ``p`` does along it ("-" where it is not there)."""
-    cells = {name: "-" for name in sizes}
-    if isinstance(p, DTensor):
-        names = p.device_mesh.mesh_dim_names or tuple(sizes)
-        for name, placement in zip(names, p.placements):
-            if placement.is_shard():
-                strided = type(placement).__name__ == "_StridedShard"
-                cells[name] = f"S({placement.dim}){'*' if strided else ''}"
-            else:
-                cells[name] = "R" if placement.is_replicate() else repr(placement)
-    return [cells[name] for name in sizes]
-
-
 # ============================================================================ command line
 def parse_args(argv=None) -> TrainConfig:
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if args.batch is None:
         # a dry run of a large mesh: one sequence per data-parallel rank unless told otherwise
         args.batch = dp_size(parse_mesh(args.mesh, None)) if args.dry_run else TrainConfig.batch
@@ -530,12 +403,13 @@ def parse_args(argv=None) -> TrainConfig:
     return cfg
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("``", ""))
     ap.add_argument("--mesh", default=d.mesh,
-                    help="mesh dims and sizes, e.g. dp_shard=4 | tp=2 | dp_shard=2,tp=2 | "
-                         "dp_replicate=2,dp_shard=2,tp=2 (default %(default)s)")
+                    help=f"mesh dims and sizes, outermost first: {', '.join(MESH_DIMS)} (pp: "
+                         "pipeline stages), e.g. dp_shard=4 | tp=2 | dp_shard=2,tp=2 | "
+                         "dp_replicate=2,dp_shard=2,tp=2 | pp=2,dp_shard=2 (default %(default)s)")
     ap.add_argument("--steps", type=int, default=d.steps, help="total steps (default %(default)s)")
     ap.add_argument("--batch", type=int, default=None,
                     help=f"global batch in sequences (default {d.batch}; with --dry-run one per "
@@ -584,7 +458,7 @@ def _parser() -> argparse.ArgumentParser:
 def dry_run_main(argv=None):
     """``--dry-run``: the report of ``python -m dtensor_lite.plan`` for this script's model."""
     cfg = parse_args(argv)
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     link, compute = cost_models(args)
     report = dry_run(dry_run_setup(cfg), parse_mesh(cfg.mesh, None), rank=args.rank,
                      link_model=link, compute_model=compute)
@@ -593,7 +467,7 @@ def dry_run_main(argv=None):
 
 
 def main(argv=None):
-    if _parser().parse_args(argv).dry_run:
+    if build_parser().parse_args(argv).dry_run:
         return dry_run_main(argv)
     cfg = parse_args(argv)
     if "RANK" not in os.environ:  # plain `python train_llama.py`: one process

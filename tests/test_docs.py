@@ -17,6 +17,7 @@ import re
 
 import pytest
 
+from tests._narrow import WIDTH, assert_text_fits
 from tests.harness import run_distributed
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -64,7 +65,7 @@ def _run_demo() -> str:
     spec = importlib.util.spec_from_file_location("demo_redistribute", DEMO)
     demo = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(demo)
-    console = Console(file=io.StringIO(), width=100, color_system=None)
+    console = Console(file=io.StringIO(), width=WIDTH, color_system=None)  # a pipe, CI
     demo.main(console=console)
     return console.file.getvalue()
 
@@ -92,3 +93,6 @@ def test_demo_runs_on_four_ranks():
                      "output, loss and gradients match plain torch ✓",
                      "all checks passed on every rank"):
         assert expected in text, f"{expected!r} missing from the demo's output:\n{text}"
+    assert_text_fits(text, "demo_redistribute's output")  # every table fits 80 columns
+    lone = [line for line in text.splitlines() if line.strip() == "✓"]
+    assert not lone, f"a check's ✓ wrapped onto a line of its own:\n{text}"

@@ -15,10 +15,12 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
-from examples.llama import LlamaConfig
+from examples.llama import Llama, LlamaConfig
 from examples.train_llama import TrainConfig, reference_losses, train
 from tests import conftest
+from tests._narrow import assert_text_fits
 from tests.harness import run_distributed
 
 REPO = Path(__file__).resolve().parents[1]
@@ -183,20 +185,28 @@ def test_training_survives_process_group_reinit():
 _NATIVE_LOG_LINE = re.compile(r"^(\[rank\d+\]:)?\[?[IWEF]\d{4} \d\d:\d\d:\d\d")  # c10 / glog
 
 
+def _run_example(*args: str) -> subprocess.CompletedProcess:
+    """``torchrun --nproc-per-node 4 examples/train_llama.py ARGS`` as a user runs it, its output
+    piped (so rich lays it out for 80 columns, as in CI); checked to have succeeded."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("TORCH_CPP_LOG_LEVEL", "KINETO_LOG_LEVEL")}  # see what a user sees
+    # OMP_NUM_THREADS: what torchrun's own banner asks for (the example sets 1 thread anyway)
+    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="", COLUMNS="80")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+           "4", "examples/train_llama.py", *args]
+    run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, (run.stdout + run.stderr)[-4000:]
+    assert_text_fits(run.stdout, f"train_llama.py {' '.join(args)}")  # every table, 80 columns
+    return run
+
+
 def test_readme_command_prints_only_our_lines_and_one_throughput():
     """The README's first command, 3 steps: no line from PyTorch's internals (the profiler's
     ``USDT ... profiler_start/stop``, the allocator's ``CPUAllocator`` warning, any c10 log line),
     and its tokens/s figures are one figure: the progress bar's equals the summary's, which is
     the tokens per step over rank 0's median step time as its table prints it."""
-    env = {k: v for k, v in os.environ.items()
-           if k not in ("TORCH_CPP_LOG_LEVEL", "KINETO_LOG_LEVEL")}  # see what a user sees
-    # OMP_NUM_THREADS: what torchrun's own banner asks for (the example sets 1 thread anyway)
-    env.update(PYTHONPATH=str(REPO), OMP_NUM_THREADS="1", CUDA_VISIBLE_DEVICES="")
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
-           "4", "examples/train_llama.py", "--mesh", "dp_shard=2,tp=2", "--steps", "3"]
-    run = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    run = _run_example("--mesh", "dp_shard=2,tp=2", "--steps", "3")
     out = run.stdout + run.stderr
-    assert run.returncode == 0, out[-4000:]
     for line in out.splitlines():
         assert not any(s in line for s in ("USDT", "profiler_start", "profiler_stop",
                                            "CPUAllocator")), line
@@ -216,3 +226,22 @@ def test_readme_command_prints_only_our_lines_and_one_throughput():
     assert float(rank0.group(1)) == ms
     # printed to 0.1 ms and to whole tokens/s: they agree up to those roundings
     assert abs(rate - tokens / (ms / 1e3)) <= 0.5 + rate * 0.05 / ms + 1e-9, (rate, tokens, ms)
+
+
+def test_pipeline_screen_shows_every_stage_and_explains_its_columns():
+    """With pp=2 rank 0 holds only stage 0, yet the parameter table lists every stage's
+    parameters (gathered over the pp group) in the model's order, says which pp rank holds each,
+    and the bubble table says what its measured idle includes."""
+    run = _run_example("--mesh", "pp=2,dp_shard=2", "--steps", "3")
+    text = run.stdout
+    names = re.findall(r"^(tok_embeddings\.weight|layers\.\d+\.\S+|norm\.weight|output\.weight)"
+                       r"\s+\(", text, re.M)
+    with torch.device("meta"):
+        order = [n for n, _ in Llama(TrainConfig().model).named_parameters()]
+    assert names == order, text
+    holders = dict(re.findall(r"^(\S+)\s+\([\d, ]+\)\s+(\d)\s", text, re.M))
+    assert holders["tok_embeddings.weight"] == "0" and holders["output.weight"] == "1", holders
+    flat = " ".join(text.split())
+    assert "pp: the pipeline rank whose stage holds the parameter" in flat
+    assert "it includes the waits for sends and receives" in flat
+    assert "exposed % of step:" in flat

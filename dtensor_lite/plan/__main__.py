@@ -1,20 +1,22 @@
-"""``python -m dtensor_lite.plan``: dry-run a Llama (a Llama 3 shape or a JSON config) on a mesh of
-any size, with the model and parallelisation of the code ``--setup`` names -- for this
-repository's example, ``examples.train_llama:plan_setup`` (run from a checkout)::
+"""``python -m dtensor_lite.plan``: dry-run a Llama (a Llama 3 shape, the example's model or a JSON
+config) on a mesh of any size, with the model and parallelisation of the code ``--setup`` names.
+
+For this repository's example the setup is ``examples.train_llama:plan_setup`` (run from a
+checkout, so that ``examples`` is importable)::
 
     python -m dtensor_lite.plan --setup examples.train_llama:plan_setup --model llama3-70b \\
         --mesh dp_replicate=8,dp_shard=16,tp=8 --batch 128 --seq 8192 --ac full
     python -m dtensor_lite.plan --setup examples.train_llama:plan_setup --model llama3-405b \\
         --mesh pp=16,dp_shard=16,tp=8 --pp-schedule 1f1b --microbatches 32 --batch 512 --seq 8192
 
-``--model``: ``llama3-8b``, ``llama3-70b``, ``llama3-405b`` (``presets.py``) or a JSON file with
-Llama fields or Hugging Face names (``hidden_size``, ``num_hidden_layers``, ...). ``--setup
-MODULE:FUNCTION``: ``FUNCTION(model_fields, **options)`` returns the dry run's ``setup(mesh)``
-(``options``: mesh, batch, seq, ac, param_dtype, sequence_parallel, loss_parallel, pp_schedule,
-microbatches); the library itself imports no model code.
+``--model``: a name of ``presets.py`` (``example``, ``llama3-8b``, ``llama3-70b``, ``llama3-405b``)
+or a JSON file with Llama fields or Hugging Face names (``hidden_size``, ``num_hidden_layers``,
+...). ``--setup MODULE:FUNCTION``: ``FUNCTION(model_fields, **options)`` returns the dry run's
+``setup(mesh)`` (``options``: mesh, batch, seq, ac, param_dtype, sequence_parallel,
+loss_parallel, pp_schedule, microbatches); the library itself imports no model code.
 
-``python -m dtensor_lite.plan relayout ...`` sizes a whole-model relayout instead (see
-``relayout_cli.py``).
+Subcommands (``SUBCOMMANDS``): ``python -m dtensor_lite.plan relayout ...`` sizes a whole-model
+relayout instead (see ``relayout_cli.py``).
 """
 from __future__ import annotations
 
@@ -22,11 +24,17 @@ import argparse
 import importlib
 import sys
 
-from .cli import add_cost_args, cost_models, print_report
+from .cli import add_cost_args, cost_models, print_report, terminal_text
 from .dry_run import dry_run
-from .presets import model_fields
+from .presets import model_fields, preset_names
+from .relayout_cli import SUMMARY as RELAYOUT_SUMMARY
+from .relayout_cli import build_parser as relayout_parser
+from .relayout_cli import main as relayout_main
 
 MESH_DIMS = ("pp", "dp_replicate", "dp_shard", "tp")
+PROG = "python -m dtensor_lite.plan"
+# name -> (its parser, its main, one line for the help); the first argument picks one
+SUBCOMMANDS = {"relayout": (relayout_parser, relayout_main, RELAYOUT_SUMMARY)}
 
 
 def parse_mesh(text: str) -> dict[str, int]:
@@ -58,13 +66,20 @@ def load_setup(spec: str | None):
         raise SystemExit(f"--setup {spec}: {e}")
 
 
-def parse_args(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m dtensor_lite.plan",
-                                 description=__doc__.split("\n\n")[0])
-    ap.add_argument("--setup", help="MODULE:FUNCTION building the dry run's setup, e.g. "
-                                    "examples.train_llama:plan_setup")
-    ap.add_argument("--model", required=True,
-                    help="llama3-8b | llama3-70b | llama3-405b | path/to/config.json")
+def build_parser() -> argparse.ArgumentParser:
+    """The dry run's parser (a subcommand's is ``SUBCOMMANDS[name][0]()``)."""
+    summary, _, examples = __doc__.split("\n\n")[:3]
+    subcommands = "\n".join(f"  {PROG} {name} --help\n      {line}"
+                            for name, (_, _, line) in SUBCOMMANDS.items())
+    ap = argparse.ArgumentParser(
+        prog=PROG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description=f"{terminal_text(summary)}\n\n{terminal_text(examples)}",
+        epilog=f"subcommands:\n{subcommands}")
+    ap.add_argument("--setup", required=True, metavar="MODULE:FUNCTION",
+                    help="the code that builds and parallelises the model, e.g. "
+                         "examples.train_llama:plan_setup (from a checkout)")
+    ap.add_argument("--model", required=True, metavar="NAME|FILE.json",
+                    help=f"a preset ({', '.join(preset_names())}) or a JSON config file")
     ap.add_argument("--mesh", required=True,
                     help="mesh dims and sizes, outermost first: pp, dp_replicate, dp_shard, tp "
                          "(e.g. dp_replicate=8,dp_shard=16,tp=8 or pp=16,dp_shard=16,tp=8)")
@@ -76,22 +91,28 @@ def parse_args(argv=None):
     ap.add_argument("--param-dtype", choices=("fp32", "bf16"), default="fp32",
                     help="bf16: FSDP mixed precision (bf16 gather and compute, fp32 reduce, fp32 "
                          "sharded parameters and AdamW state), as torchtitan trains")
-    ap.add_argument("--no-sp", dest="sequence_parallel", action="store_false")
-    ap.add_argument("--no-loss-parallel", dest="loss_parallel", action="store_false")
+    ap.add_argument("--no-sp", dest="sequence_parallel", action="store_false",
+                    help="tensor parallelism without sequence parallelism")
+    ap.add_argument("--no-loss-parallel", dest="loss_parallel", action="store_false",
+                    help="gather the logits instead of a vocab-parallel loss")
     ap.add_argument("--pp-schedule", default="1f1b",
-                    help="with a pp dim: gpipe | 1f1b | interleaved | zero-bubble | zbv | "
-                         "looped-bfs (default %(default)s)")
+                    help="with a pp dim, a schedule the setup knows; the example's: gpipe | "
+                         "1f1b | interleaved | zero-bubble | zbv | looped-bfs "
+                         "(default %(default)s)")
     ap.add_argument("--microbatches", type=int, default=8,
                     help="micro-batches per step with a pp dim (default %(default)s)")
     add_cost_args(ap)
-    return ap.parse_args(argv)
+    return ap
+
+
+def parse_args(argv=None):
+    return build_parser().parse_args(argv)
 
 
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["relayout"]:  # sizing a whole-model relayout (relayout_cli.py)
-        from .relayout_cli import main as relayout_main
-        return relayout_main(argv[1:])
+    if argv[:1] and argv[0] in SUBCOMMANDS:
+        return SUBCOMMANDS[argv[0]][1](argv[1:])
     args = parse_args(argv)
     factory = load_setup(args.setup)
     fields = model_fields(args.model)

@@ -8,7 +8,13 @@ import sys
 
 from .cost import INTER_NODE, INTRA_NODE, ComputeModel, Link, LinkModel
 
-__all__ = ["add_cost_args", "cost_models", "print_report"]
+__all__ = ["add_cost_args", "cost_models", "print_report", "terminal_text"]
+
+
+def terminal_text(rst: str) -> str:
+    """A docstring paragraph as ``--help`` shows it: no ``literal`` quotes, and a single ``:``
+    where reST introduces an example block with ``::``."""
+    return rst.replace("``", "").replace("::", ":")
 
 
 def add_cost_args(ap: argparse.ArgumentParser):

@@ -19,7 +19,8 @@ import math
 import sys
 from pathlib import Path
 
-__all__ = ["EXAMPLE", "LLAMA3", "LLAMA_FIELDS", "model_fields", "llama_param_shapes", "n_params"]
+__all__ = ["EXAMPLE", "LLAMA3", "LLAMA_FIELDS", "model_fields", "preset_names",
+           "llama_param_shapes", "n_params"]
 
 LLAMA_FIELDS = {"vocab_size": 256, "dim": 64, "n_layers": 2, "n_heads": 4, "n_kv_heads": None,
                 "ffn_dim": 128, "max_seq_len": 64, "norm_eps": 1e-5, "rope_theta": 10000.0}
@@ -42,10 +43,19 @@ _HF_NAMES = {"hidden_size": "dim", "num_hidden_layers": "n_layers",
              "max_position_embeddings": "max_seq_len"}
 
 
+def _known(presets: dict | None = None) -> dict:
+    return {"example": EXAMPLE, **LLAMA3, **(presets or {})}
+
+
+def preset_names() -> list[str]:
+    """The names ``--model`` accepts besides a JSON file (what the CLIs' help lists)."""
+    return list(_known())
+
+
 def model_fields(spec: str, *, presets: dict | None = None) -> dict:
     """The Llama fields of a preset name (``example``, ``llama3-8b`` / ``70b`` / ``405b``, or a
     name of ``presets``) or of a JSON file; unknown JSON keys are ignored with a note on stderr."""
-    known = {"example": EXAMPLE, **LLAMA3, **(presets or {})}
+    known = _known(presets)
     if spec in known:
         return {**LLAMA_FIELDS, **known[spec]}
     path = Path(spec)

@@ -20,9 +20,11 @@ import math
 
 import torch
 
-from .cli import add_cost_args, cost_models
+from .cli import add_cost_args, cost_models, terminal_text
 from .fake_world import fake_world
-from .presets import llama_param_shapes, model_fields
+from .presets import llama_param_shapes, model_fields, preset_names
+
+SUMMARY = "size a whole-model relayout at scale: bytes per rank pair and link kind, time"
 
 _COLWISE = ("wq", "wk", "wv", "w1", "w3", "output", "qkv", "gate_up")
 # --fused: the engine's fused tensors (vLLM / SGLang), per rank: [q_r; k_r; v_r], [gate_r; up_r]
@@ -97,22 +99,32 @@ def _specs(shapes: dict, dims: dict, first_rank: int, dtype):
     return out
 
 
-def main(argv=None):
+def build_parser() -> argparse.ArgumentParser:
+    summary, examples, dims = (terminal_text(p) for p in __doc__.split("\n\n")[:3])
     ap = argparse.ArgumentParser(prog="python -m dtensor_lite.plan relayout",
-                                 description=__doc__.split("\n\n")[0])
-    ap.add_argument("--model", required=True)
-    ap.add_argument("--src", required=True, help="source mesh dims, e.g. dp_shard=256")
+                                 formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 description=f"{summary}\n\n{examples}\n\n{dims}")
+    ap.add_argument("--model", required=True, metavar="NAME|FILE.json",
+                    help=f"a preset ({', '.join(preset_names())}) or a JSON config file")
+    ap.add_argument("--src", required=True,
+                    help="source mesh dims dp_shard=N, tp=N, rep=N, e.g. dp_shard=256")
     ap.add_argument("--dst", required=True, help="destination mesh dims, e.g. rep=32,tp=8")
-    ap.add_argument("--dst-first-rank", type=int, default=0)
-    ap.add_argument("--src-dtype", choices=("fp32", "bf16"), default="fp32")
+    ap.add_argument("--dst-first-rank", type=int, default=0,
+                    help="the destination mesh's first rank (default 0: colocated)")
+    ap.add_argument("--src-dtype", choices=("fp32", "bf16"), default="fp32",
+                    help="the source parameters' dtype (default %(default)s)")
     ap.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16", help="wire and "
-                    "destination dtype")
+                    "destination dtype (default %(default)s)")
     ap.add_argument("--bucket-mb", type=float, default=None,
                     help="bucket per rank in MiB (default: the relayout's own rule)")
     ap.add_argument("--fused", action="store_true", help="the destination fuses q, k, v and "
                     "gate, up per rank, as vLLM / SGLang hold them")
     add_cost_args(ap)
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv=None):
+    args = build_parser().parse_args(argv)
     shapes = llama_param_shapes(model_fields(args.model))
     src_dims, dst_dims = _dims(args.src), _dims(args.dst)
     dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16}
