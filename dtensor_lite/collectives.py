@@ -35,6 +35,7 @@ from ._inflight import free_now
 from .compile_support import is_traced
 from ._failures import group_backend, wait_work
 from ._rank_text import grouped_by
+from ._desync import RECORDING, exchange_sites, issued, plain_name
 from .debug_state import CHECKING, COMM_SINKS, TIMERS, CommFlight, record
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "scatter",
@@ -190,6 +191,8 @@ def _issue(collective, *args, group, **kwargs):
     hold: list = []
     args = tuple(_inflight.private(a, hold) for a in args)
     work = collective(*args, async_op=True, group=group, **kwargs)
+    if RECORDING:  # its sequence number in the group, for a desync report (_desync.py)
+        issued(work, group, collective.__name__)
     if isinstance(work, _Works):  # the tensors its works were given (e.g. views of the aliases)
         hold = list(work.buffers)
     return work, started, group, hold
@@ -254,10 +257,13 @@ def _check_buffers_agree(collective, args, group) -> None:
         return
     ranks = dist.get_process_group_ranks(group)
     table = dict(zip(ranks, rows.tolist()))
-    kinds = {r: _COLLECTIVE_NAMES.get(t[0], f"collective#{t[0]}") for r, t in table.items()}
+    kinds = {r: plain_name(_COLLECTIVE_NAMES.get(t[0], f"collective#{t[0]}"))
+             for r, t in table.items()}
     if len(set(kinds.values())) > 1:
+        where = exchange_sites(group, name)
         raise ValueError(
-            f"collectives over ranks {ranks} do not match: {grouped_by(kinds)}. The ranks ran "
+            f"collectives over ranks {ranks} do not match: {grouped_by(kinds)}"
+            f"{f' -- {where}' if where else ''}. The ranks ran "
             "different sequences of collectives: one was called on some ranks only (e.g. inside "
             "`if rank == ...`, or a forward / backward / optimizer step not every rank ran) or in "
             "another order; gloo would abort the process. Make every rank of the group issue "
@@ -286,7 +292,7 @@ def _check_buffers_agree(collective, args, group) -> None:
     consequence = ("gloo would abort the process on buffers of different sizes" if sizes_differ
                    else "the buffers happen to be of one size, but the result would be wrong")
     raise ValueError(
-        f"{name} over ranks {ranks}: the ranks disagree on what they move -- pieces "
+        f"{plain_name(name)} over ranks {ranks}: the ranks disagree on what they move -- pieces "
         f"{grouped_by(pieces)}"
         f"{believed_text}; {consequence}. {advice}.")
 
