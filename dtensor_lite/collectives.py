@@ -35,7 +35,8 @@ from ._inflight import free_now
 from .compile_support import is_traced
 from ._failures import group_backend, wait_work
 from ._rank_text import grouped_by
-from ._desync import RECORDING, exchange_sites, issued, plain_name
+from . import _desync
+from ._desync import exchange_sites, issued, plain_name
 from .debug_state import CHECKING, COMM_SINKS, TIMERS, CommFlight, record
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "scatter",
@@ -191,7 +192,7 @@ def _issue(collective, *args, group, **kwargs):
     hold: list = []
     args = tuple(_inflight.private(a, hold) for a in args)
     work = collective(*args, async_op=True, group=group, **kwargs)
-    if RECORDING:  # its sequence number in the group, for a desync report (_desync.py)
+    if _desync.RECORDING:  # its sequence number in the group, for a desync report
         issued(work, group, collective.__name__)
     if isinstance(work, _Works):  # the tensors its works were given (e.g. views of the aliases)
         hold = list(work.buffers)

@@ -148,3 +148,24 @@ def test_check_mode_hint_names_the_collectives():
         assert "all_reduce on ranks 1-3 vs all_gather on rank 0" in m, m
         assert _line_of("checked extra") in m and _line_of("checked every") in m, m
         assert "from_local" not in m, m
+
+
+def test_ranks_are_named_as_runs():
+    from dtensor_lite._rank_text import grouped_by, ranks_text
+    assert ranks_text([3]) == "rank 3"
+    assert ranks_text([2, 0, 1, 5, 7, 6]) == "ranks 0-2, 5-7"
+    assert ranks_text([0, 2]) == "ranks 0, 2"
+    assert grouped_by({0: "a", 1: "b", 2: "b", 3: "b"}) == "b on ranks 1-3 vs a on rank 0"
+
+
+def test_a_bound_that_is_no_number_is_refused():
+    import subprocess
+    import sys
+
+    from tests.harness import REPO_ROOT
+    out = subprocess.run([sys.executable, "-c", "import dtensor_lite"], capture_output=True,
+                         text=True, env={"PYTHONPATH": REPO_ROOT, "DTL_DESYNC_SECONDS": "soon",
+                                         "PATH": "/usr/bin:/bin"})
+    assert out.returncode != 0
+    assert "DTL_DESYNC_SECONDS='soon': expected a number of seconds (0 turns it off)" in \
+        out.stderr, out.stderr
