@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import threading
 
 import torch.distributed as dist
 
@@ -40,11 +41,23 @@ def _only_gloo_groups() -> bool:
                for pg in list(world.pg_map))
 
 
+DESTROY_SECONDS = 30.0  # at exit: how long tearing the groups down may take
+
+
 def _destroy_groups() -> None:
+    """``dist.destroy_process_group()`` on a thread of its own, waited for at most
+    ``DESTROY_SECONDS``: a collective the program issued and never waited for, whose peers never
+    come, keeps gloo's shutdown waiting for it (up to the group's timeout); the process then
+    exits as it would have without this hook rather than hang."""
     if not (dist.is_available() and dist.is_initialized()) or not _only_gloo_groups():
         return
-    with contextlib.suppress(Exception):  # a group already broken: exit as before
-        dist.destroy_process_group()
+
+    def destroy():
+        with contextlib.suppress(Exception):  # a group already broken: exit as before
+            dist.destroy_process_group()
+    thread = threading.Thread(target=destroy, name="dtensor_lite exit teardown", daemon=True)
+    thread.start()
+    thread.join(DESTROY_SECONDS)  # releases the GIL: gloo's threads can free what they hold
 
 
 def at_exit() -> None:

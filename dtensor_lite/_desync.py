@@ -42,6 +42,7 @@ import time
 import torch.distributed as dist
 
 from . import _caches
+from ._default_store import default_store
 from ._rank_text import ranks_text
 
 __all__ = ["RECORDING", "BOUND", "DesyncError", "issued", "Watch", "report", "user_site"]
@@ -121,9 +122,7 @@ def user_site(frame=None) -> str:
 
 
 # ------------------------------------------------------------------ states in the store
-def _store():
-    from ._failures import _store as default_store
-    return default_store()
+_store = default_store
 
 
 def _group_ranks(group) -> list[int]:

@@ -44,6 +44,7 @@ import torch
 import torch.distributed as dist
 
 from . import _caches, _desync, _inflight
+from ._default_store import default_store
 
 __all__ = ["RankFailedError", "CollectiveFailedError", "POLL_INTERVAL", "post_failure",
            "posted_failure", "propagate_failures", "wait_work", "on_kernel_error",
@@ -71,14 +72,7 @@ class CollectiveFailedError(RuntimeError):
 
 
 # ------------------------------------------------------------------ the store
-def _store():
-    """The default process group's store, or None (no group, or a backend without one)."""
-    if not dist.is_available() or not dist.is_initialized():
-        return None
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except (RuntimeError, ValueError):
-        return None
+_store = default_store  # the default process group's store, or None
 
 
 def _describe(exc: BaseException) -> str:

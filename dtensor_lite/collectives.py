@@ -231,6 +231,9 @@ def _shape_of_cols(cols) -> tuple | None:
     return None if cols[0] < 0 else tuple(cols[1:1 + min(cols[0], _SHAPE_COLS - 1)])
 
 
+HEADER_ROWS = [0]  # how many rows _check_buffers_agree gathered in this process (for tests)
+
+
 def _check_buffers_agree(collective, args, group) -> None:
     """Every rank's (collective, output and input sizes, dtype, the piece it sends and the global
     shape it believes it moves), one fixed-size row each, compared before the buffers reach the
@@ -249,6 +252,7 @@ def _check_buffers_agree(collective, args, group) -> None:
                          *_shape_cols(tensors[-1].shape), *_shape_cols(global_shape)]],
                        dtype=torch.int64, device=tensors[0].device)
     n = dist.get_world_size(group)
+    HEADER_ROWS[0] += 1
     rows = row.new_empty((n, row.shape[1]))
     hold: list = []  # waited like every collective here, its buffers released likewise
     work = _all_gather_single(_inflight.private(rows, hold), _inflight.private(row, hold),

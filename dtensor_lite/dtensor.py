@@ -356,14 +356,17 @@ def _redistributed(dt: "DTensor", dst: DTensorSpec, async_op: bool) -> "DTensor"
 
 def _redistributed_checked(dt: "DTensor", dst: DTensorSpec, async_op: bool) -> "DTensor":
     """``_redistributed`` of pieces no rank compared (see _unchecked.py): each collective checks
-    that every rank's buffers agree first. On a 1-D mesh that check covered every rank of the
-    mesh, so the result is known to agree; on more dims only the dims moved were checked."""
+    that every rank's buffers and global shape agree first (synchronously, ``async_op`` or
+    not). On a 1-D mesh that check covered every rank of the mesh, so the source and the result
+    are known to agree from then on; on more dims only the dims moved were checked."""
     with _unchecked.checking(dt._spec):
         local = dt._local_tensor
         out = redistribute_local(local, dt._spec, dst, async_op=False)
     res = DTensor(out.view_as(out) if out is local else out, dst)
     if dst.mesh.ndim > 1 and dst.mesh.size() > 1:
         _unchecked.mark(res)
+    elif dt._spec.mesh is dst.mesh:
+        _unchecked.unmark(dt)
     return res
 
 

@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from dtensor_lite import DTensor, Replicate, Shard, init_device_mesh
+from dtensor_lite import collectives as C
 from dtensor_lite.debug import CommDebugMode
 from tests.harness import launch_processes, run_distributed
 
@@ -77,29 +78,34 @@ def test_disagreeing_pieces_raise_the_same_clear_error_on_every_rank():
 def _known_layouts_pay_nothing():
     """distribute_tensor and from_local(run_check=True) layouts are known to agree: their
     collectives carry no header; an unchecked one pays one row per collective until a checked
-    redistribute on a 1-D mesh has proven it."""
+    redistribute on a 1-D mesh has proven it (its source and its result)."""
     from dtensor_lite import distribute_tensor
     mesh = init_device_mesh("cpu", (4,))
-    counts = {}
+    counts, headers = {}, {}
     for name, make in (
             ("distribute_tensor", lambda: distribute_tensor(torch.ones(8, 4), mesh, [Shard(0)])),
             ("run_check", lambda: DTensor.from_local(torch.ones(2, 4), mesh, [Shard(0)],
                                                      run_check=True)),
             ("unchecked", lambda: DTensor.from_local(torch.ones(2, 4), mesh, [Shard(0)]))):
         x = make()
+        before = C.HEADER_ROWS[0]
         with CommDebugMode() as comm:
-            y = (x * 2).full_tensor()
-            DTensor.from_local(y, mesh, [Replicate()], run_check=False)
-            z = (x + 1).redistribute(mesh, [Replicate()])
-            (z * 3).redistribute(mesh, [Shard(0)]).full_tensor()
+            y = (x * 2).full_tensor()  # x * 2: checked (unchecked only), then known
+            z = (x + 1).redistribute(mesh, [Replicate()])  # x + 1 likewise
+            (z * 3).redistribute(mesh, [Shard(0)]).full_tensor()  # z is known: no header
+            (x * 2).full_tensor()  # x itself is still unchecked: one more
         counts[name] = sum(comm.get_comm_counts().values())
-    return counts
+        headers[name] = C.HEADER_ROWS[0] - before
+        assert torch.equal(y, torch.full((8, 4), 2.0))
+    return counts, headers
 
 
 def test_known_layouts_pay_no_header():
-    counts = run_distributed(4, _known_layouts_pay_nothing, timeout=120)[0]
-    # 3 collectives each; the header is an all_gather of its own, not reported to CommDebugMode
-    assert counts == {"distribute_tensor": 3, "run_check": 3, "unchecked": 3}, counts
+    counts, headers = run_distributed(4, _known_layouts_pay_nothing, timeout=120)[0]
+    # the same collectives for all three; the header is an all_gather of its own, not reported
+    # to CommDebugMode
+    assert counts == {"distribute_tensor": 4, "run_check": 4, "unchecked": 4}, counts
+    assert headers == {"distribute_tensor": 0, "run_check": 0, "unchecked": 3}, headers
 
 
 _SCRIPT = '''
