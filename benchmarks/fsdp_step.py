@@ -88,7 +88,7 @@ class _TorchCommCounter:
 
 # ----------------------------------------------------------------------------- one implementation
 def _shard(impl: str, model, world: int):
-    if impl == "ours":
+    if impl.startswith("ours"):
         from dtensor_lite import init_device_mesh
         from fsdp import fully_shard
     else:
@@ -161,6 +161,13 @@ def _report_profile(prof: cProfile.Profile, profile_dir: str, name: str, what: s
     pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
+def _recording(on: bool) -> bool:
+    """Turn dtensor_lite's desync recorder on or off; whether it was on."""
+    from dtensor_lite import _desync
+    was, _desync.RECORDING = _desync.RECORDING, on
+    return was
+
+
 def bench(impls, world: int, steps: int, warmup: int, profile_dir: str | None = None) -> list:
     """Both implementations step by step, alternating, so both see the same machine load."""
     rank = dist.get_rank()
@@ -175,10 +182,16 @@ def bench(impls, world: int, steps: int, warmup: int, profile_dir: str | None = 
 
     def step(impl, tokens):
         model, opt = runs[impl]
-        loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
+        # "ours-norec": the same, with the desync recorder off (dtensor_lite/_desync.py), to
+        # measure what the on-by-default recorder costs in the same run
+        recording = _recording(impl != "ours-norec")
+        try:
+            loss = loss_fn(model(tokens[:, :-1]), tokens[:, 1:])
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        finally:
+            _recording(recording)
         return loss.detach()
 
     times = {impl: [] for impl in impls}
@@ -190,7 +203,7 @@ def bench(impls, world: int, steps: int, warmup: int, profile_dir: str | None = 
             # the second step on)
             handles = _sample_peak(runs[impl][0], peak) if impl == "ours" and i <= warmup else []
             if i == warmup:  # count one steady-state step (untimed: the counters cost time)
-                if impl == "ours":
+                if impl.startswith("ours"):
                     from dtensor_lite.debug import CommDebugMode
                     with CommDebugMode() as mode:
                         loss = step(impl, tokens)
@@ -270,14 +283,14 @@ def _free_port():
 
 
 def _table(rows):
-    head = (f"{'world':>5} {'impl':>6} {'step ms':>9} {'param B held':>13} {'peak unsharded B':>17}"
+    head = (f"{'world':>5} {'impl':>10} {'step ms':>9} {'param B held':>13} {'peak unsharded B':>17}"
             f" {'sent B/rank':>12} {'collectives':>32} {'loss[-1]':>9}")
     lines = [head, "-" * len(head)]
     for r in rows:
         counts = ", ".join(f"{k}={v}" for k, v in sorted(r["comm_counts"].items()))
         peak = r["peak_unsharded_param_bytes"]
         peak = "n/a" if peak is None else f"{peak:,}"
-        lines.append(f"{r['world']:>5} {r['impl']:>6} {r['step_ms_median']:>9.1f} "
+        lines.append(f"{r['world']:>5} {r['impl']:>10} {r['step_ms_median']:>9.1f} "
                      f"{r['param_bytes_held']:>13,} {peak:>17} {r['comm_bytes_total']:>12,} "
                      f"{counts:>32} {r['losses'][-1]:>9.5f}")
     return "\n".join(lines)
@@ -288,7 +301,9 @@ def main():
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--impls", nargs="+", default=["ours", "torch"], choices=["ours", "torch"])
+    parser.add_argument("--impls", nargs="+", default=["ours", "torch"],
+                        choices=["ours", "ours-norec", "torch"],
+                        help="ours-norec: ours with the desync recorder off (its cost)")
     parser.add_argument("--profile", metavar="DIR", help="cProfile our timed steps on rank 0")
     parser.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results",
                                                        "fsdp_step.json"))

@@ -28,7 +28,7 @@ from contextvars import ContextVar
 
 import torch
 
-from . import _aliasing, _caches, _failures, _fallback, debug, debug_state
+from . import _aliasing, _caches, _failures, _fallback, _unchecked, debug, debug_state
 from ._aliasing import COPIED_VIEWS
 from .compile_support import is_traced
 from ._quick_call import quick_callable
@@ -237,7 +237,10 @@ class _Decision:
         if self.needs_redistribute:
             if debug_state.EXPLICIT:
                 _observe_rule_redistribute(self.op, dts, targets)
-            if debug_state.COMM_SINKS:
+            if _unchecked.any_marked(dts):  # pieces no rank compared: sizes checked first
+                with _unchecked.checking():
+                    locals_ = _redistribute_attributed(self.op, dts, targets)
+            elif debug_state.COMM_SINKS:
                 locals_ = _redistribute_attributed(self.op, dts, targets)
             elif len(dts) > 1:  # several inputs may share one collective (redistribute_locals)
                 locals_ = redistribute_locals([dt._local_tensor for dt in dts],

@@ -43,7 +43,8 @@ import time
 import torch
 import torch.distributed as dist
 
-from . import _caches, _inflight
+from . import _caches, _desync, _inflight
+from ._default_store import default_store
 
 __all__ = ["RankFailedError", "CollectiveFailedError", "POLL_INTERVAL", "post_failure",
            "posted_failure", "propagate_failures", "wait_work", "on_kernel_error",
@@ -71,14 +72,7 @@ class CollectiveFailedError(RuntimeError):
 
 
 # ------------------------------------------------------------------ the store
-def _store():
-    """The default process group's store, or None (no group, or a backend without one)."""
-    if not dist.is_available() or not dist.is_initialized():
-        return None
-    try:
-        return dist.distributed_c10d._get_default_store()
-    except (RuntimeError, ValueError):
-        return None
+_store = default_store  # the default process group's store, or None
 
 
 def _describe(exc: BaseException) -> str:
@@ -299,20 +293,29 @@ def wait_work(work, kind: str, group) -> None:
         # say which they are)
         _wait_on_thread(work, kind, group)
         return
-    while True:
-        try:
-            if work.wait(POLL_INTERVAL) is not False:
-                return
-        except RuntimeError as e:  # NotImplementedError too
-            if work.is_completed() or not _slice_ran_out(e):
-                # it ended during the slice (succeeded or failed: a plain wait returns at once or
-                # raises its error), or it cannot wait with a timeout (PyTorch's threaded test
-                # group, some third-party backends): wait unsliced, bounded by the group timeout
-                _wait_plain(work, kind, group)
-                return
-        failure = posted_failure()  # only the slice ran out: did some rank give up meanwhile?
-        if failure is not None:
-            raise _remote_failure(kind, group, failure)
+    watch = None  # made once the first slice ran out: a desync report (_desync.py)
+    try:
+        while True:
+            try:
+                if work.wait(POLL_INTERVAL) is not False:
+                    return
+            except RuntimeError as e:  # NotImplementedError too
+                if work.is_completed() or not _slice_ran_out(e):
+                    # it ended during the slice (succeeded or failed: a plain wait returns at
+                    # once or raises its error), or it cannot wait with a timeout (PyTorch's
+                    # threaded test group, some third-party backends): wait unsliced, bounded by
+                    # the group timeout
+                    _wait_plain(work, kind, group)
+                    return
+            failure = posted_failure()  # only the slice ran out: did some rank give up?
+            if failure is not None:
+                raise _remote_failure(kind, group, failure)
+            if watch is None:
+                watch = _desync.Watch(work, kind, group, _POLL_SECONDS)
+            _desync_check(watch)
+    finally:
+        if watch is not None:
+            watch.close()
 
 
 def _slice_ran_out(e: BaseException) -> bool:
@@ -329,7 +332,7 @@ def _wait_plain(work, kind: str, group) -> None:
     try:
         work.wait()
     except RuntimeError as e:
-        _raise_failed(kind, group, e)
+        _raise_failed(kind, group, e, work)
 
 
 class _Waiter(threading.Thread):
@@ -366,32 +369,52 @@ def _wait_on_thread(work, kind: str, group) -> None:
         waiter.start()
     done, errors = threading.Event(), []
     waiter.jobs.put((work, done, errors))
+    watch = None
     try:
         while not done.wait(_POLL_SECONDS):
             failure = posted_failure()
             if failure is not None:
                 raise _remote_failure(kind, group, failure)
+            if watch is None:
+                watch = _desync.Watch(work, kind, group, _POLL_SECONDS)
+            _desync_check(watch)
     except BaseException:  # that failure, or Ctrl-C
         # the waiter stays blocked in the backend until the work ends (a peer exits, or the group
         # times out); the process must not finalize before it is back (see _inflight.py)
         _inflight.abandon(done.is_set, [])
         raise
+    finally:
+        if watch is not None:
+            watch.close()
     if errors:
-        _raise_failed(kind, group, errors[0])
+        _raise_failed(kind, group, errors[0], work)
 
 
-def _raise_failed(kind: str, group, e: BaseException):
+def _desync_check(watch) -> None:
+    """``watch.check()``; its DesyncError is posted for the ranks waiting in other groups."""
+    try:
+        watch.check()
+    except _desync.DesyncError as e:
+        post_failure(e)
+        raise
+
+
+def _raise_failed(kind: str, group, e: BaseException, work=None):
     """The collective itself failed: name the rank that failed first if one posted, else say
-    that some rank did not join, and post that for the ranks waiting elsewhere."""
+    which ranks did not join (what each rank of the group was doing, as the store tells: see
+    _desync.py), and post that for the ranks waiting elsewhere."""
     failure = posted_failure()
     if failure is not None:
         raise _remote_failure(kind, group, failure) from e
+    where = _desync.group_report(group, kind, work)
+    where = f" Where the group's ranks are: {where}." if where else ""
     err = CollectiveFailedError(
         f"{kind} over ranks {_group_ranks(group)} failed: {e}. No rank reported an exception "
-        "before it, so some rank of the group did not join this collective: it exited, is stuck "
-        "elsewhere, or ran a different sequence of collectives (e.g. a forward, backward or "
-        "optimizer step that not every rank ran). The process group's timeout bounds this wait: "
-        "init_process_group(timeout=...). See docs/troubleshooting.md.")
+        f"before it, so some rank of the group did not join this collective.{where} A rank that "
+        "did not join exited, is stuck elsewhere, or ran a different sequence of collectives "
+        "(e.g. a forward, backward or optimizer step that not every rank ran). The process "
+        "group's timeout bounds this wait: init_process_group(timeout=...). See "
+        "docs/troubleshooting.md, 'Ranks in different collectives'.")
     post_failure(err)
     raise err from e
 

@@ -49,7 +49,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from . import _caches, _dispatch
+from . import _caches, _dispatch, _unchecked
 from . import _torch_names as N
 from ._aliasing import COPIED_VIEWS
 from ._quick_call import cheaper_spelling as _cheaper_spelling, const as _const, \
@@ -204,9 +204,11 @@ def torch_function(cls, func, types_, args=(), kwargs=None):
         return _learn(key, func, types_, args, kwargs, dts)
     if run is not _NO_SHORTCUT:
         try:
-            return run(dts)
+            out = run(dts)
         except Exception:  # noqa: BLE001 - the ordinary path reports and raises it
             pass
+        else:
+            return _unchecked.propagate(args, kwargs, out) if _unchecked.MARKED else out
     return _ordinary(func, types_, args, kwargs)
 
 

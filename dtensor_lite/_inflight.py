@@ -15,14 +15,13 @@ returns, while the interpreter finalizes.
 So every tensor :mod:`.collectives` hands to a backend is a private alias (``detach()``: a new
 tensor object sharing the storage) that this module keeps until the backend has let go of it --
 its use count is back to one, the reference held here. It is then dropped on the calling thread,
-holding the GIL. At exit (``atexit``, before finalization) the collectives still held are drained;
+holding the GIL. At exit (``_at_exit.py``, before finalization) the collectives still held are drained;
 works whose wait was abandoned (a failure elsewhere stopped it) are kept for good, and if one of
 them is still running in the backend, the process exits at once with status 1 rather than
 finalize beside it (``_exit_now``).
 """
 from __future__ import annotations
 
-import atexit
 import ctypes
 import os
 import sys
@@ -30,7 +29,7 @@ import time
 
 import torch
 
-__all__ = ["private", "retire", "abandon", "drain", "free_now", "aliases_of"]
+__all__ = ["private", "retire", "abandon", "drain", "free_now", "aliases_of", "at_exit"]
 
 _RETIRING: list[list[torch.Tensor]] = []  # holds whose work completed; the backend may still hold it
 _ABANDONED: list[tuple] = []  # (is_done or None, hold): works whose wait was given up
@@ -138,7 +137,9 @@ def _exit_now(status: int) -> None:
     os._exit(status)
 
 
-def _at_exit() -> None:
+def at_exit() -> None:
+    """Drain what backends still hold of our collectives (called first thing at exit by
+    ``_at_exit``, before the process groups are torn down)."""
     if not (_RETIRING or _ABANDONED):
         return
     _, running = drain()
@@ -147,6 +148,3 @@ def _at_exit() -> None:
         # all gone yet): finalizing beside it would abort when it ends; this process failed anyway
         _exit_now(1)
     _keep_forever([_RETIRING, _ABANDONED])
-
-
-atexit.register(_at_exit)

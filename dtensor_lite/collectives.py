@@ -34,6 +34,9 @@ from . import _inflight
 from ._inflight import free_now
 from .compile_support import is_traced
 from ._failures import group_backend, wait_work
+from ._rank_text import grouped_by
+from . import _desync
+from ._desync import exchange_sites, issued, plain_name
 from .debug_state import CHECKING, COMM_SINKS, TIMERS, CommFlight, record
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "scatter",
@@ -189,6 +192,8 @@ def _issue(collective, *args, group, **kwargs):
     hold: list = []
     args = tuple(_inflight.private(a, hold) for a in args)
     work = collective(*args, async_op=True, group=group, **kwargs)
+    if _desync.RECORDING:  # its sequence number in the group, for a desync report
+        issued(work, group, collective.__name__)
     if isinstance(work, _Works):  # the tensors its works were given (e.g. views of the aliases)
         hold = list(work.buffers)
     return work, started, group, hold
@@ -207,19 +212,47 @@ def dtype_from_code(code: int):
     return _DTYPE_OF_CODE.get(code, f"dtype#{code}")
 
 
+# the c10d functions _issue hands tensors to, by the number each rank puts in its row
+_COLLECTIVE_NAMES = {zlib.crc32(name.encode()): name for name in (
+    "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
+    "reduce_scatter_single", "all_reduce", "broadcast", "scatter", "all_to_all_single",
+    "_all_reduce_in_place", "_broadcast_slots")}
+_SHAPE_COLS = 9  # ndim, then up to 8 sizes (a deeper tensor is named by its first 8)
+
+
+def _shape_cols(shape) -> list[int]:
+    if shape is None:
+        return [-1] + [0] * (_SHAPE_COLS - 1)
+    dims = [int(s) for s in shape][:_SHAPE_COLS - 1]
+    return [len(shape)] + dims + [0] * (_SHAPE_COLS - 1 - len(dims))
+
+
+def _shape_of_cols(cols) -> tuple | None:
+    return None if cols[0] < 0 else tuple(cols[1:1 + min(cols[0], _SHAPE_COLS - 1)])
+
+
+HEADER_ROWS = [0]  # how many rows _check_buffers_agree gathered in this process (for tests)
+
+
 def _check_buffers_agree(collective, args, group) -> None:
-    """``debug.check_collectives``: every rank's (collective, input and output sizes, dtype), one
-    fixed-size row each, compared before the buffers reach the backend -- gloo aborts the process
-    on buffers of different sizes. Uneven all_to_all splits may differ by design: sizes are
-    compared only where they must be equal."""
+    """Every rank's (collective, output and input sizes, dtype, the piece it sends and the global
+    shape it believes it moves), one fixed-size row each, compared before the buffers reach the
+    backend -- gloo aborts the process on buffers of different sizes. Runs under
+    ``debug.check_collectives`` and for pieces no rank compared (``_unchecked.py``). Uneven
+    all_to_all splits may differ by design: sizes are compared only where they must be equal.
+    Every rank gets the same rows, so every rank raises the same error or none does."""
     tensors = [a for a in args if isinstance(a, torch.Tensor)]
     uneven = any(isinstance(a, (list, tuple)) and a for a in args[2:])  # all_to_all splits
     # (output, input) -- the input (last tensor argument) is the piece a rank sends
     sizes = [-1, -1] if uneven else [tensors[0].numel(), tensors[-1].numel()]
-    name = getattr(collective, "__name__", str(collective))
-    row = torch.tensor([[zlib.crc32(name.encode()), *sizes, dtype_code(tensors[0].dtype)]],
+    name = name_of(collective)
+    believed = CHECKING[-1] if CHECKING else True
+    global_shape = getattr(believed, "shape", None)
+    row = torch.tensor([[zlib.crc32(name.encode()), *sizes, dtype_code(tensors[0].dtype),
+                         *_shape_cols(tensors[-1].shape), *_shape_cols(global_shape)]],
                        dtype=torch.int64, device=tensors[0].device)
     n = dist.get_world_size(group)
+    HEADER_ROWS[0] += 1
     rows = row.new_empty((n, row.shape[1]))
     hold: list = []  # waited like every collective here, its buffers released likewise
     work = _all_gather_single(_inflight.private(rows, hold), _inflight.private(row, hold),
@@ -228,15 +261,49 @@ def _check_buffers_agree(collective, args, group) -> None:
     if (rows == rows[0]).all():
         return
     ranks = dist.get_process_group_ranks(group)
-    first = rows[0, 0].item()
-    seen = "; ".join(f"rank {r}: {'?' if numel < 0 else numel} x {dtype_from_code(code)}"
-                     f"{'' if kind == first else ' (in another collective)'}"
-                     for r, (kind, _, numel, code) in zip(ranks, rows.tolist()))
+    table = dict(zip(ranks, rows.tolist()))
+    kinds = {r: plain_name(_COLLECTIVE_NAMES.get(t[0], f"collective#{t[0]}"))
+             for r, t in table.items()}
+    if len(set(kinds.values())) > 1:
+        where = exchange_sites(group, name)
+        raise ValueError(
+            f"collectives over ranks {ranks} do not match: {grouped_by(kinds)}"
+            f"{f' -- {where}' if where else ''}. The ranks ran "
+            "different sequences of collectives: one was called on some ranks only (e.g. inside "
+            "`if rank == ...`, or a forward / backward / optimizer step not every rank ran) or in "
+            "another order; gloo would abort the process. Make every rank of the group issue "
+            "the same collectives in the same order")
+    pieces = {r: f"{_shape_of_cols(t[4:4 + _SHAPE_COLS])} {dtype_from_code(t[3])}"
+              for r, t in table.items()}
+    globals_ = {r: _shape_of_cols(t[4 + _SHAPE_COLS:]) for r, t in table.items()}
+    believed_text = ""
+    if len(set(globals_.values())) > 1:
+        believed_text = (" -- the ranks believe the global shape is "
+                         f"{grouped_by({r: str(g) for r, g in globals_.items()})}")
+    if believed is not True:
+        advice = ("These pieces were wrapped without comparing them across ranks: "
+                  "DTensor.from_local(run_check=False) (torch's default), local_map's outputs "
+                  "and a given shape= trust that every rank's piece is a torch.chunk piece of one "
+                  "global tensor of one dtype. Pass shape= (the same on every rank) for uneven "
+                  "pieces, or run_check=True to derive and check it, and give every rank the same "
+                  "dtype")
+    else:
+        advice = ("Either the pieces were wrapped inconsistently (DTensor.from_local with "
+                  "run_check=False trusts that every rank's piece belongs to one global shape and "
+                  "dtype: pass shape= for uneven pieces, or run_check=True to check them), or the "
+                  "ranks reached this collective from different points of the program (one was "
+                  "called on some ranks only)")
+    sizes_differ = any((t[1:4] != rows[0][1:4]) for t in rows.tolist())
+    consequence = ("gloo would abort the process on buffers of different sizes" if sizes_differ
+                   else "the buffers happen to be of one size, but the result would be wrong")
     raise ValueError(
-        f"{name} over ranks {ranks}: the ranks' pieces differ ({seen}); gloo would abort the "
-        "process. The pieces were wrapped inconsistently: DTensor.from_local(run_check=False) "
-        "trusts that every rank's piece belongs to one global shape and dtype -- pass shape= "
-        "for uneven pieces, or run_check=True to check them")
+        f"{plain_name(name)} over ranks {ranks}: the ranks disagree on what they move -- pieces "
+        f"{grouped_by(pieces)}"
+        f"{believed_text}; {consequence}. {advice}.")
+
+
+def name_of(collective) -> str:
+    return getattr(collective, "__name__", str(collective))
 
 
 def _launch(kind: str, issued, finish, async_op: bool):

@@ -28,6 +28,7 @@ import torch
 
 from ._comm_counts import CommCounts
 from ._funcol_counts import FuncolCounter
+from ._desync import DesyncError
 from ._failures import CollectiveFailedError, RankFailedError, propagate_failures
 from ._torch_names import tree_leaves
 from ._visualize import visualize_sharding
@@ -38,7 +39,7 @@ from .memory_tracker import MemoryTracker
 __all__ = ["CommDebugMode", "CommRecord", "check_collectives", "comm_cause", "ExposedCommMode", "ExplicitRedistributionContext",
            "strict_redistribute", "FallbackRedistributeWarning", "ImplicitRedistributionError",
            "reset_fallback_warnings", "MemoryTracker", "propagate_failures", "RankFailedError",
-           "CollectiveFailedError", "visualize_sharding"]
+           "CollectiveFailedError", "DesyncError", "visualize_sharding"]
 
 @contextlib.contextmanager
 def check_collectives():

@@ -19,7 +19,7 @@ from .redistribute import redistribute_local, redistribute_target
 from .redistribute.planner import _PLANS
 from .spec import (DTensorSpec, TensorMeta, contiguous_stride, normalize_placements,
                    outside_shape)
-from . import _caches, _dcp, debug_state
+from . import _caches, _dcp, _unchecked, debug_state
 from .compile_support import boundary, register_constants
 from ._torch_names import disabled_torch_function_impl, make_wrapper_subclass
 from ._unseen import unseen_fn
@@ -62,6 +62,8 @@ class DTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        if _unchecked.MARKED:  # results of pieces no rank compared are such pieces too
+            return _unchecked.propagate(args, kwargs, _dispatch_op(func, args, kwargs))
         return _dispatch_op(func, args, kwargs)
 
     @staticmethod
@@ -209,7 +211,11 @@ class DTensor(torch.Tensor):
         grad_layout = _grad_layout(spec, grad_placements)
         if grad_layout is not None:
             _check_grad_layout_fits(spec, grad_layout)
-        return _FromLocal.apply(local_tensor, spec, grad_layout)
+        out = _FromLocal.apply(local_tensor, spec, grad_layout)
+        if not run_check and not outside and mesh.size() > 1:
+            # no rank compared its piece with the others': collectives on it check sizes first
+            _unchecked.mark(out)
+        return out
 
     @boundary
     def to_local(self, *, grad_placements=None) -> torch.Tensor:
@@ -340,10 +346,28 @@ def _as_grad_dtensor(grad, spec: DTensorSpec) -> "DTensor":
 
 
 def _redistributed(dt: "DTensor", dst: DTensorSpec, async_op: bool) -> "DTensor":
+    if _unchecked.is_marked(dt):
+        return _redistributed_checked(dt, dst, async_op)
     out = redistribute_local(dt._local_tensor, dt._spec, dst, async_op)
     if isinstance(out, torch.Tensor):
         return DTensor(out.view_as(out) if out is dt._local_tensor else out, dst)
     return DTensor._from_pending(out, dst, dt._local_tensor)
+
+
+def _redistributed_checked(dt: "DTensor", dst: DTensorSpec, async_op: bool) -> "DTensor":
+    """``_redistributed`` of pieces no rank compared (see _unchecked.py): each collective checks
+    that every rank's buffers and global shape agree first (synchronously, ``async_op`` or
+    not). On a 1-D mesh that check covered every rank of the mesh, so the source and the result
+    are known to agree from then on; on more dims only the dims moved were checked."""
+    with _unchecked.checking(dt._spec):
+        local = dt._local_tensor
+        out = redistribute_local(local, dt._spec, dst, async_op=False)
+    res = DTensor(out.view_as(out) if out is local else out, dst)
+    if dst.mesh.ndim > 1 and dst.mesh.size() > 1:
+        _unchecked.mark(res)
+    elif dt._spec.mesh is dst.mesh:
+        _unchecked.unmark(dt)
+    return res
 
 
 def _grad_layout(spec: DTensorSpec, grad_placements) -> DTensorSpec | None:

@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from dtensor_lite import DTensor, Replicate, distribute_tensor
+from dtensor_lite._unchecked import unmark
 from dtensor_lite.spec import DTensorSpec, TensorMeta, chunk_range, contiguous_stride
 
 from .dp_mesh_dims import in_mesh_order
@@ -134,8 +135,12 @@ class FSDPParam:
             return self.spmd_compute.view(unsharded, tp)
         if not self.tp_visible:
             return unsharded
-        return DTensor.from_local(unsharded, tp.mesh, tp.public_placements(), shape=tp.shape,
+        view = DTensor.from_local(unsharded, tp.mesh, tp.public_placements(), shape=tp.shape,
                                   stride=tp.stride)
+        # the TP layout is the parameter's own, agreed by every rank: nothing to check per
+        # collective (see dtensor_lite/_unchecked.py)
+        unmark(view)
+        return view
 
     # ----------------------------------------------------------------- geometry
     def _init_geometry(self):

@@ -547,10 +547,10 @@ def _inconsistent_pieces(make):
 
 @distributed(world_size=2, timeout=120)
 def test_from_local_no_check_bad_pieces_raise_instead_of_aborting():
-    """run_check=False trusts the pieces (no communication, as in PyTorch), and pieces of
-    different global shapes or dtypes then hand gloo buffers of different sizes: the process
-    aborts (PyTorch's too). Under debug.check_collectives() every rank raises a ValueError naming
-    each rank's buffer instead; a piece resized behind its spec's back is refused before any
+    """run_check=False trusts the pieces (no communication at the wrap, as in PyTorch), and pieces
+    of different global shapes or dtypes would hand gloo buffers of different sizes (PyTorch's
+    process aborts). Here every rank raises a ValueError naming each rank's piece instead (by
+    default: see test_piece_disagreement.py; under debug.check_collectives() too); a piece resized behind its spec's back is refused before any
     collective (that rank raises at once, its peer at the process-group timeout)."""
     from dtensor_lite.debug import check_collectives
 
@@ -558,11 +558,11 @@ def test_from_local_no_check_bad_pieces_raise_instead_of_aborting():
     with _short_timeout_group(), check_collectives():
         kind, message, waited = _inconsistent_pieces(lambda r: torch.ones(3 - r, 4))
         assert kind == "ValueError" and waited < PG_TIMEOUT, (kind, message)
-        assert "the ranks' pieces differ (rank 0: 12 x torch.float32; rank 1: 8 x " \
-            "torch.float32)" in message and "pass shape=" in message, message
+        assert "pieces (3, 4) torch.float32 on rank 0 vs (2, 4) torch.float32 on rank 1" \
+            in message and "Pass shape=" in message, message
         kind, message, _ = _inconsistent_pieces(
             lambda r: torch.ones(2, 4, dtype=(torch.float32, torch.float64)[r]))
-        assert kind == "ValueError" and "rank 1: 8 x torch.float64" in message, message
+        assert kind == "ValueError" and "(2, 4) torch.float64 on rank 1" in message, message
         # with the right pieces the check passes (and one check per collective is all it costs)
         dt = DTensor.from_local(torch.full((2, 4), float(rank)), init_device_mesh("cpu", (2,)),
                                 [Shard(0)])

@@ -183,7 +183,7 @@ def _forward_on_one_rank_only():
         model, _ = _fsdp_mlp(False)
         started = time.time()
         if dist.get_rank() == 0:
-            return _outcome(lambda: model(torch.randn(3, 6)).sum().backward()), started
+            return _outcome(lambda: model(torch.randn(3, 6)).sum().backward()), started  # alone
         time.sleep(GROUP_TIMEOUT + 1)
         return ("skipped", "", time.time()), started
 
@@ -194,6 +194,12 @@ def test_no_hang_forward_on_one_rank_only():
     (kind, message, t), t0 = run_distributed(2, _forward_on_one_rank_only, timeout=60)[0]
     assert kind == "CollectiveFailedError", (kind, message)
     assert "over ranks [0, 1]" in message and "did not join this collective" in message, message
+    # who is where: rank 0 at the line of the forward it ran alone, rank 1 in no collective
+    alone = next(k + 1 for k, line in enumerate(open(__file__).read().splitlines())
+                 if line.endswith("# alone"))
+    assert f"rank 0: in all_gather #" in message, message
+    assert f"test_no_hang.py:{alone}" in message, message
+    assert "rank 1: not responding" in message, message
     assert GROUP_TIMEOUT - 0.5 < t - t0 < GROUP_TIMEOUT + MARGIN + 2, f"{t - t0:.1f}s"
 
 
