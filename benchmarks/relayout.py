@@ -13,7 +13,9 @@ parameter whole to each engine rank), on the example Llama and on a larger synth
 
 Columns: bytes sent by the busiest rank (CommDebugMode; the broadcast's point-to-point sends
 counted by hand), wall time of the slowest rank, peak memory above the start on the worst rank
-(MemoryTracker: the profiler's allocator events). The methods run interleaved in one process
+(MemoryTracker: the profiler's allocator events). Below the table, the plan's own figures beside
+the measured ones: the busiest rank's bytes (must be equal) and ``estimate_seconds`` with this
+machine's point-to-point link (``plan.measure_link``) against the measured time, as a ratio. The methods run interleaved in one process
 group, so machine load hits them alike; on a shared machine, compare ratios.
 """
 from __future__ import annotations
@@ -109,6 +111,15 @@ def main():
                   f"{r['seconds'] * 1e3:9.1f} {r['peak_extra_bytes_max'] / 2**20:9.2f}")
         for model in dict.fromkeys(r["model"] for r in table):
             ours = next(r for r in table if r["model"] == model and r["method"] == "relayout")
+            link = ours["link"]
+            print(f"{model}: plan vs measured: busiest rank "
+                  f"{ours['planned_busiest_rank_bytes']} B planned, "
+                  f"{ours['busiest_rank_bytes']} B measured"
+                  f" ({'equal' if ours['planned_busiest_rank_bytes'] == ours['busiest_rank_bytes'] else 'DIFFER'}; with the plan check's all-reduce)"
+                  f"; time {ours['estimated_seconds'] * 1e3:.1f} ms estimated with this machine's "
+                  f"link ({link['bandwidth'] / 1e9:.2f} GB/s, {link['latency'] * 1e6:.0f} us), "
+                  f"{ours['seconds'] * 1e3:.1f} ms measured: "
+                  f"{ours['seconds'] / max(ours['estimated_seconds'], 1e-12):.2f}x")
             for r in table:
                 if r["model"] == model and r is not ours:
                     print(f"{model}: {r['method']} / relayout: bytes "

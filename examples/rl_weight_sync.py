@@ -40,6 +40,9 @@ if __package__ in (None, ""):  # run as a script: make the repo importable
 from dtensor_lite import (DeviceMesh, DTensor, Replicate, distribute_tensor,  # noqa: E402
                           init_device_mesh)
 from dtensor_lite.debug import CommDebugMode, MemoryTracker  # noqa: E402
+from dtensor_lite.collectives import all_reduce_cost  # noqa: E402
+from dtensor_lite.plan.cost import LinkModel  # noqa: E402
+from dtensor_lite.plan.measure_link import measure_link  # noqa: E402
 from dtensor_lite.relayout import plan_relayout  # noqa: E402
 from examples.llama import Llama, LlamaConfig, loss_fn  # noqa: E402
 from examples.llama_parallel import parallelize_llama  # noqa: E402
@@ -214,6 +217,14 @@ def run(args) -> list:
     if rank == 0:
         print(plan.report().splitlines()[0])
         print(plan.report().splitlines()[-1])
+    # the plan's own figures, to check against the measured ones: bytes exactly, time as the
+    # ratio of measured to estimated with this machine's point-to-point link
+    link = measure_link()
+    # + every rank's share of the one all-reduce that compares the plan's fingerprint
+    planned_busiest = max(plan.bytes_sent().values(), default=0) + all_reduce_cost(
+        2, 8, dist.get_world_size())
+    estimated = plan.estimate_seconds(LinkModel(gpus_per_node=dist.get_world_size(),
+                                                intra=link, inter=link))
     rows = []
     prompt = torch.arange(5).reshape(1, 5) + 1
     for sync in range(args.syncs):
@@ -253,6 +264,10 @@ def run(args) -> list:
                 row = {"sync": sync, "method": name, "busiest_rank_bytes": max(sent),
                        "seconds": secs, "peak_extra_bytes_max": max(peak),
                        "bytes_per_rank": sent, "peak_per_rank": peak}
+                if name == "relayout":
+                    row.update(planned_busiest_rank_bytes=planned_busiest,
+                               estimated_seconds=estimated,
+                               link={"bandwidth": link.bandwidth, "latency": link.latency})
                 rows.append(row)
                 print(f"  {name:>16}: busiest rank sent {max(sent) / 2**20:7.3f} MiB, "
                       f"{secs * 1e3:8.1f} ms, peak extra {max(peak) / 2**20:7.3f} MiB")
