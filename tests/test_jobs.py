@@ -126,8 +126,9 @@ def test_engine_dying_mid_sync_makes_the_trainer_raise_within_the_bound(tmp_path
 
 def test_jobs_built_for_different_models_both_raise(tmp_path):
     address = f"127.0.0.1:{_free_port()}"
-    trainer = _launch("--trainer-job", 4, address, tmp_path)
-    engine = _launch("--engine-job", 2, address, tmp_path, "--ffn", "96")
+    # the smallest jobs that show it (2 + 1 processes: each start costs seconds on a small box)
+    trainer = _launch("--trainer-job", 2, address, tmp_path)
+    engine = _launch("--engine-job", 1, address, tmp_path, "--ffn", "96")
     rc_e, out_e, _ = _finish(engine, 600)
     rc_t, out_t, _ = _finish(trainer, 120)
     assert rc_t != 0 and rc_e != 0
