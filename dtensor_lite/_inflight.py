@@ -34,10 +34,7 @@ __all__ = ["private", "retire", "abandon", "drain", "free_now", "aliases_of", "a
 _RETIRING: list[list[torch.Tensor]] = []  # holds whose work completed; the backend may still hold it
 _ABANDONED: list[tuple] = []  # (is_done or None, hold): works whose wait was given up
 _RETIRING_CAP = 4096  # a hold never released (a backend that keeps works) must not grow memory
-# at exit: how long a backend thread may take to let go of completed works, and an abandoned
-# collective to finish (a peer that joins late on a loaded machine: two suites side by side took
-# over 5 s); past it the process leaves with status 1 rather than finalize beside the backend
-DRAIN_SECONDS = 30.0
+DRAIN_SECONDS = 5.0  # at exit: how long a backend thread may take to let go of completed works
 
 
 def private(arg, hold: list):
