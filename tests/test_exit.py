@@ -24,6 +24,16 @@ from tests.harness import REPO_ROOT, busy_cpus, launch_processes, launch_torchru
 EXAMPLE = os.path.join(REPO_ROOT, "examples", "train_llama.py")
 
 # FSDP over TP, and no destroy_process_group(): the program just ends
+# two AdamW steps of the launched scripts' model (defined there)
+TRAIN_TWO_STEPS = '''
+opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+for step in range(2):
+    loss = model(torch.randn(4, 16)).pow(2).mean()
+    loss.backward()
+    opt.step()
+    opt.zero_grad()
+'''
+
 FSDP_TP_NO_DESTROY = '''
 import datetime, sys, time
 import torch, torch.distributed as dist, torch.nn as nn
@@ -39,13 +49,7 @@ torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
 parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
 fully_shard(model, mesh=mesh["dp"])
-opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-for step in range(2):
-    loss = model(torch.randn(4, 16)).pow(2).mean()
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-
+''' + TRAIN_TWO_STEPS + '''
 class SlowTeardown:  # a program whose teardown takes a while (many objects, a loaded machine)
     def __del__(self):
         time.sleep(0.5)
@@ -101,13 +105,7 @@ torch.manual_seed(0)
 model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
 for layer in (model[0], model[2], model):
     fully_shard(layer, mesh=mesh)
-opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-for step in range(2):
-    loss = model(torch.randn(4, 16)).pow(2).mean()
-    loss.backward()
-    opt.step()
-    opt.zero_grad()
-total = torch.tensor([float(loss)])
+''' + TRAIN_TWO_STEPS + '''total = torch.tensor([float(loss)])
 dist.all_reduce(total)  # the user's own last collective
 print(f"rank {dist.get_rank()}: success {float(total):.4f}", flush=True)
 if sys.argv[1] == "destroy":
