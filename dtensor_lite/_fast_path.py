@@ -49,7 +49,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from . import _caches, _dispatch, _unchecked
+from . import _caches, _dispatch, _fast_methods, _unchecked
 from . import _torch_names as N
 from ._aliasing import COPIED_VIEWS
 from ._quick_call import cheaper_spelling as _cheaper_spelling, const as _const, \
@@ -166,9 +166,14 @@ def torch_function(cls, func, types_, args=(), kwargs=None):
         return _ordinary(func, types_, args, kwargs)
     # The key: the function, grad mode, each DTensor's spec, every other argument as a constant
     # (specs are interned: hashing the key never calls back into Python). Built inline: this is
-    # the hot path of every call on a DTensor; the usual shape first (two positional arguments,
-    # the first a DTensor: binary ops, ``sum(dim)``, ``F.linear``), the same key as the loop's.
-    if not kwargs and len(args) == 2 and type(args[0]) is DTensor:
+    # the hot path of every call on a DTensor; the usual shapes first (one or two positional
+    # arguments, the first a DTensor: unary and binary ops, ``sum(dim)``, ``F.linear``), the same
+    # key as the loop's.
+    n = len(args)
+    if not kwargs and n == 1 and type(args[0]) is DTensor:  # unary: relu(x), x.t(), x.sum()
+        key = (func, grad, args[0]._spec)
+        dts = args
+    elif not kwargs and n == 2 and type(args[0]) is DTensor:
         a1 = args[1]
         if type(a1) is DTensor:
             key = (func, grad, args[0]._spec, a1._spec)
@@ -304,10 +309,21 @@ class _Replay:
         return r
 
     def runner(self):
-        """``run``, or for the usual shape (one op, no write) a closure doing the same with
-        everything it reads bound in advance (no attribute lookups per call)."""
-        if self.single is None or self.written is not None:
+        """``run``, or for the usual shapes (one op) a closure doing the same with everything
+        it reads bound in advance (no attribute lookups per call)."""
+        if self.single is None:
             return self.run
+        if self.written is not None:  # one in-place op: ``a.add_(b)``, ``a.mul_(2)``
+            single, written = self.single, self.written
+
+            def run_write(dts):
+                if COPIED_VIEWS:
+                    raise _Ordinary  # the ordinary path refuses writes into views that copied
+                single(dts)
+                dst = dts[written]
+                _increment_version((dst,))  # as autograd counts a write into the wrapper
+                return dst
+            return run_write
         shape, stride, dtype, spec = self.shape, self.stride, self.dtype, self.spec
         fn, base, slots, kw = self.steps[0]
         # the usual argument shapes spelled out: one Python frame per call, not two
@@ -455,6 +471,7 @@ def install(on: bool = True) -> None:
     """
     use_torch_function(torch_function if on else None)
     _use_descriptors(on)
+    _fast_methods.install(on, torch_function, DTensor)
 
 
 def uninstall() -> None:
