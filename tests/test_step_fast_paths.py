@@ -1,8 +1,9 @@
 """The training step's shortcuts give what the general paths give: a tensor-parallel linear run
-on local pieces under autograd (ops/matrix.py) -- values, gradient values and gradient
+on local pieces under autograd (_local_linear.py) -- values, gradient values and gradient
 placements equal to the composite's and to single-process torch -- and a redistribute through a
 runner cached per spec pair (collectives.sync_runner) -- values equal to the general executor's,
 collectives still counted by CommDebugMode, a wrong-shaped piece still the same error."""
+import contextlib
 import copy
 
 import pytest
@@ -13,7 +14,7 @@ import torch.nn.functional as F
 
 from dtensor_lite import DTensor, Partial, Replicate, Shard, distribute_tensor, init_device_mesh
 from dtensor_lite.debug import CommDebugMode
-from dtensor_lite.ops import matrix
+from dtensor_lite import _shortcuts
 from dtensor_lite.redistribute import entry
 from dtensor_lite.redistribute.executor import run_plan
 from dtensor_lite.redistribute.planner import plan_redistribute
@@ -33,28 +34,35 @@ class _Block(nn.Module):
 
 
 def _train(base, x_global, mesh, local_linear: bool):
-    matrix.LOCAL_LINEAR = local_linear
-    try:
+    from dtensor_lite import _local_linear
+    _local_linear._LINEAR_PLANS.clear()  # a worker process may have run other tests before
+    seq = x_global.ndim - 2  # (batch, seq, hidden) or (seq, hidden)
+    with contextlib.nullcontext() if local_linear else _shortcuts.disabled():
         model = parallelize_module(copy.deepcopy(base), mesh, {
-            "norm": SequenceParallel(),
-            "w1": ColwiseParallel(input_layouts=Shard(1)),
-            "w2": RowwiseParallel(output_layouts=Shard(1), use_local_output=False)})
-        x = distribute_tensor(x_global, mesh, [Shard(1)]).requires_grad_()
+            "norm": SequenceParallel(sequence_dim=seq),
+            "w1": ColwiseParallel(input_layouts=Shard(seq)),
+            "w2": RowwiseParallel(output_layouts=Shard(seq), use_local_output=False)})
+        x = distribute_tensor(x_global, mesh, [Shard(seq)]).requires_grad_()
         for _ in range(2):  # the second call runs the cached decisions
             out = model(x)
             out.to_local().sum().backward()
-    finally:
-        matrix.LOCAL_LINEAR = True
+    taken = [p for p in _local_linear._LINEAR_PLANS.values() if p is not _local_linear._NOT_LOCAL]
+    assert bool(taken) == local_linear, "the shortcut was not taken (or taken while disabled)"
+    _local_linear._LINEAR_PLANS.clear()
     return out, x, model
 
 
 @distributed(world_size=4)
-@pytest.mark.parametrize("ffn,bias", [(12, True), (10, True), (12, False)])
-def test_tp_linear_on_local_pieces_matches_composite_and_torch(ffn, bias):
-    """ffn 10 on 4 ranks: uneven feature shards (3, 3, 3, 1)."""
+@pytest.mark.parametrize("ffn,bias,x_shape", [(12, True, (2, 8, 8)), (10, True, (2, 8, 8)),
+                                              (12, False, (2, 8, 8)), (10, True, (8, 8)),
+                                              (12, False, (8, 8)), (3, True, (2, 8, 8))])
+def test_tp_linear_on_local_pieces_matches_composite_and_torch(ffn, bias, x_shape):
+    """ffn 10 on 4 ranks: uneven feature shards (3, 3, 3, 1), ffn 3: an empty one (1, 1, 1, 0);
+    3-D and 2-D inputs (the
+    composite's addmm and mm, whose backward kernels the shortcut runs)."""
     mesh = init_device_mesh("cpu", (4,))
     torch.manual_seed(0)
-    base, x_global = _Block(ffn, bias), torch.randn(2, 8, 8)
+    base, x_global = _Block(ffn, bias), torch.randn(*x_shape)
     out_c, x_c, model_c = _train(base, x_global, mesh, local_linear=False)
     out_l, x_l, model_l = _train(base, x_global, mesh, local_linear=True)
     ref, x_ref = copy.deepcopy(base), x_global.clone().requires_grad_()

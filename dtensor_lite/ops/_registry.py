@@ -22,6 +22,7 @@ from typing import Callable, Sequence
 
 import torch
 
+from .._shortcuts import NOT_TAKEN, first as first_shortcut
 from .._torch_names import OpOverloadPacket, is_missing, tree_flatten
 from ..dtensor import DTensor
 from ..spec import DTensorSpec
@@ -168,7 +169,8 @@ def intercept_composite(op, dtensor_fn):
     (it builds plain tensors from scratch, or reads data to choose shapes) this replaces it.
     It is ``op``'s autograd-CPU and autograd-CUDA kernels that are replaced: calls without DTensors run torch's own
     decomposition, as before. Without autograd keys (inference mode) the op reaches the
-    dispatcher whole: register a rule for it as well."""
+    dispatcher whole: register a rule for it as well. The op's shortcuts (``_shortcuts.py``)
+    are tried before ``dtensor_fn``."""
     global _LIB
 
     def kernel(*args, **kwargs):
@@ -177,7 +179,8 @@ def intercept_composite(op, dtensor_fn):
         for a in (*args, *kwargs.values()):
             if isinstance(a, DTensor) or (isinstance(a, (list, tuple)) and any(
                     isinstance(x, DTensor) for x in tree_flatten(a)[0])):
-                return dtensor_fn(*args, **kwargs)
+                out = first_shortcut(op, args, kwargs)  # e.g. _local_linear
+                return dtensor_fn(*args, **kwargs) if out is NOT_TAKEN else out
         return op.decompose(*args, **kwargs)
 
     if _LIB is None:

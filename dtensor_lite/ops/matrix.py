@@ -6,15 +6,11 @@ Partial·R -> Partial, R·Partial -> Partial, and batch dims shard straight thro
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .. import _torch_names as torch_names
-from .. import _caches
-from ..compile_support import is_traced
-from ..dtensor import DTensor, _FromLocal, _Redistribute, _ToLocal
+from ..dtensor import DTensor
+from ..spec import DTensorSpec
 from ..placements import LINEAR_REDUCE_OPS, Partial, Replicate, Shard
-from ..redistribute.planner import _PLANS
-from ..spec import DTensorSpec, TensorMeta, contiguous_stride
 from ._registry import Decompose, intercept_composite, register_rule
 
 aten = torch_names.aten
@@ -156,88 +152,8 @@ def _rows_stay_local(x, weight, bias) -> bool:
     return any(p.is_shard() and p.dim > 0 for p in placements)  # only these would be gathered
 
 
-# ------------------------------------------------------------------ tensor-parallel linear
-# Column-parallel (x Replicate, weight and bias Shard(0): output Shard(-1)) and row-parallel
-# (x Shard(-1), weight Shard(1), bias Replicate: output Partial) linears on a 1-D mesh need no
-# communication; while autograd records, the composite's four DTensor ops (view, t, addmm, view)
-# and their backward's ~ten cost a dispatch each. Here the linear runs on the local pieces under
-# autograd instead -- differentiable wraps (to_local / from_local) around one local F.linear --
-# with each input's gradient laid out as the DTensor ops give it: column-parallel x gets a
-# Partial gradient (its contraction is over the sharded features), weight and bias their own
-# Shard; row-parallel weight and x their own Shard, and the bias (added on coordinate 0 only,
-# as the composite's Replicate -> Partial does) a Replicate gradient. Decided once per
-# (input specs) pair; anything else (other layouts, meshes, dtypes, traces, dispatch modes)
-# takes the composite.
-LOCAL_LINEAR = True  # tests switch it off to compare with the composite
-_grad_enabled = torch.is_grad_enabled
-_LINEAR_PLANS: dict = _caches.register_decisions({})
-_NOT_LOCAL = object()
-
-
-class _LinearPlan:
-    __slots__ = ("out_spec", "x_grad", "w_grad", "b_grad", "bias_partial")
-
-
-_dispatch_modes = torch_names.len_torch_dispatch_stack
-
-
-def _feature_sharded_linear(x, w, b):
-    key = (x._spec, w._spec, None if b is None else b._spec)
-    plan = _LINEAR_PLANS.get(key)
-    if plan is None:
-        plan = _caches.remember(_LINEAR_PLANS, key, _plan_linear(x, w, b) or _NOT_LOCAL, _PLANS)
-    if plan is _NOT_LOCAL or _dispatch_modes() or \
-            is_traced(x._local_tensor) or is_traced(w._local_tensor):
-        return None
-    # contiguous: the local kernels the composite would pick for this (contiguous) wrapper
-    xl = _ToLocal.apply(x, plan.x_grad).contiguous()
-    wl = _ToLocal.apply(w, plan.w_grad)
-    if b is None:
-        return _FromLocal.apply(F.linear(xl, wl), plan.out_spec, None)
-    if plan.bias_partial is not None:  # Replicate -> Partial: zeros off coordinate 0
-        b = _Redistribute.apply(b, plan.bias_partial, False, None, None)
-    return _FromLocal.apply(F.linear(xl, wl, _ToLocal.apply(b, plan.b_grad)), plan.out_spec,
-                            None)
-
-
-def _plan_linear(x, w, b) -> "_LinearPlan | None":
-    mesh = x._spec.mesh
-    specs = [x._spec, w._spec] + ([] if b is None else [b._spec])
-    if mesh.ndim != 1 or mesh._coordinate is None or w.ndim != 2 or x.ndim < 1 or \
-            x.shape[-1] != w.shape[1] or any(
-                s.mesh is not mesh or not s.has_default_order or
-                s.dtype != x.dtype for s in specs) or \
-            (b is not None and (b.ndim != 1 or b.shape[0] != w.shape[0])):
-        return None
-    last = x.ndim - 1
-    xp, wp = x._spec.placements[0], w._spec.placements[0]
-    bp = None if b is None else b._spec.placements[0]
-    plan = _LinearPlan()
-    plan.bias_partial = None
-    if xp.is_replicate() and wp.is_shard(0) and bp in (None, Shard(0)):  # column-parallel
-        out, plan.x_grad, plan.b_grad = Shard(last), (Partial("sum"),), (Shard(0),)
-    elif xp.is_shard(last) and wp.is_shard(1) and bp in (None, R):  # row-parallel
-        out, plan.x_grad, plan.b_grad = Partial("sum"), (xp,), (R,)
-        if b is not None:
-            plan.bias_partial = b._spec.with_placements((Partial("sum"),))
-    else:
-        return None
-    plan.w_grad = (wp,)
-    plan.x_grad = x._spec.with_placements(plan.x_grad)
-    plan.w_grad = w._spec.with_placements(plan.w_grad)
-    plan.b_grad = None if b is None else b._spec.with_placements(plan.b_grad)
-    shape = tuple(x.shape[:-1]) + (w.shape[0],)
-    plan.out_spec = DTensorSpec(mesh, (out,), TensorMeta(torch.Size(shape),
-                                                         contiguous_stride(shape), x.dtype))
-    return plan
-
-
 def _linear_on_dtensors(input, weight, bias=None):
-    if LOCAL_LINEAR and _grad_enabled() and type(input) is DTensor and type(weight) is DTensor \
-            and (bias is None or type(bias) is DTensor):
-        out = _feature_sharded_linear(input, weight, bias)
-        if out is not None:
-            return out
+    # (a tensor-parallel linear on local pieces is a shortcut taken before this: _local_linear)
     if not _rows_stay_local(input, weight, bias):
         return aten.linear.default.decompose(input, weight, bias)
     from .._local_map import local_map
