@@ -50,8 +50,12 @@ def private(arg, hold: list):
 
 
 def _released(hold) -> bool:
-    # one reference: ours (each alias is a tensor object nothing else was given)
-    return all(t._use_count() <= 1 for t in hold)
+    # one reference: ours (each alias is a tensor object nothing else was given); a loop, not
+    # all(<generator>): this runs after every collective
+    for t in hold:
+        if t._use_count() > 1:
+            return False
+    return True
 
 
 def aliases_of(storage) -> int:

@@ -53,9 +53,10 @@ class DTensor(torch.Tensor):
     @staticmethod
     def __new__(cls, local_tensor: torch.Tensor, spec: DTensorSpec, *, requires_grad: bool = False):
         meta = spec.tensor_meta
-        r = make_wrapper_subclass(
-            cls, meta.shape, strides=meta.stride, dtype=meta.dtype, device=local_tensor.device,
-            layout=local_tensor.layout, requires_grad=requires_grad)
+        # positional: (cls, size, strides, storage_offset, memory_format, dtype, layout, device,
+        # pin_memory, requires_grad) -- the keyword form parses 0.5 us slower per wrapper
+        r = make_wrapper_subclass(cls, meta.shape, meta.stride, None, None, meta.dtype,
+                                  local_tensor.layout, local_tensor.device, False, requires_grad)
         r._local_tensor = local_tensor
         r._spec = spec
         return r
