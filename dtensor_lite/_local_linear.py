@@ -26,7 +26,7 @@ from . import _torch_names as torch_names
 from ._shortcuts import NOT_TAKEN, shortcut
 from ._unseen import unseen_fn
 from .compile_support import is_traced
-from .dtensor import DTensor, _as_grad_dtensor, _grad_target
+from .dtensor import DTensor, local_grad_of
 from .placements import Partial, Replicate, Shard
 from .redistribute import redistribute_local
 from .redistribute.planner import _PLANS
@@ -119,10 +119,7 @@ class _LocalLinear(torch.autograd.Function):
     @unseen_fn
     def _backward(ctx, grad):
         plan = ctx.plan
-        grad = _as_grad_dtensor(grad, plan.out_spec)
-        # the gradient of the output laid out as its local piece needs (Partial -> Replicate)
-        g = redistribute_local(grad._local_tensor, grad._spec, _grad_target(plan.out_spec,
-                                                                             grad._spec))
+        g = local_grad_of(grad, plan.out_spec)  # as from_local's backward: Partial -> Replicate
         xl, wl = ctx.saved_tensors
         # the composite ran addmm (bias) or mm on x reshaped 2-D (explicit sizes: a piece may be
         # empty) and weight.t(): their backwards, through the reshapes' own

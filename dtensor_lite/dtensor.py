@@ -422,17 +422,23 @@ class _FromLocal(torch.autograd.Function):
     @staticmethod
     @unseen_fn
     def _backward(ctx, grad):
-        grad = _as_grad_dtensor(grad, ctx.spec)
-        if ctx.grad_layout is None:
-            target = _grad_target(ctx.spec, grad._spec)
-        else:  # the user's layout, Partial dims included (a Partial gradient stays unreduced)
-            layout = ctx.grad_layout
-            target = DTensorSpec(layout.mesh, layout.placements, grad._spec.tensor_meta,
-                                 layout.shard_order)
-        local_grad = redistribute_local(grad._local_tensor, grad._spec, target)
+        local_grad = local_grad_of(grad, ctx.spec, ctx.grad_layout)
         if ctx.saved_tensors:
             local_grad = _partial_local_grad(local_grad, ctx.saved_tensors[0], ctx.spec)
         return local_grad, None, None
+
+
+def local_grad_of(grad, spec: DTensorSpec, grad_layout: DTensorSpec | None = None):
+    """The local piece of ``grad`` (a DTensor gradient of a tensor laid out as ``spec``) that the
+    tensor's own local piece receives: laid out as ``spec`` with Partial dims Replicated, or as
+    the user's ``grad_layout`` (Partial dims included: a Partial gradient stays unreduced)."""
+    grad = _as_grad_dtensor(grad, spec)
+    if grad_layout is None:
+        target = _grad_target(spec, grad._spec)
+    else:
+        target = DTensorSpec(grad_layout.mesh, grad_layout.placements, grad._spec.tensor_meta,
+                             grad_layout.shard_order)
+    return redistribute_local(grad._local_tensor, grad._spec, target)
 
 
 def _partial_local_grad(grad: torch.Tensor, local: torch.Tensor, spec: DTensorSpec):
