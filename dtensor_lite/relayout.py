@@ -10,8 +10,9 @@ the other needs, nothing else. Tensors are grouped into buckets whose largest pe
 receive stays within ``bucket_bytes``; a bucket is ONE message per rank pair (its boxes
 concatenated), cast to the wire dtype *before* sending, written into the destination's local
 pieces in place. The next bucket is in flight while the last is unpacked, so the extra memory of
-a rank is at most one bucket's receive buffers plus the next one's send and receive buffers (a
-tensor larger than the bucket is a bucket of its own). The default bucket is a fraction of the
+a rank is at most one bucket's receive buffers plus the next one's send and receive buffers:
+3 x ``bucket_bytes``. A tensor whose traffic passes the bucket is split into windows of its rows
+(of a row's columns, if one row does not fit) that each fit one (``relayout_split.py``). The default bucket is a fraction of the
 busiest rank's traffic (``AUTO_BUCKET_FRACTION``): no tuning.
 
 Everything is decided from metadata (names, shapes, dtypes, meshes, placements) that every rank
@@ -43,6 +44,7 @@ from .redistribute.cross_mesh import (box_volume, box_slices, check_meshes, mesh
                                       plan_cross_mesh, reduced_source)
 from .relayout_fused import (Concat, check_per_rank_sizes, concat_layout, part_specs,
                              per_rank_view)
+from .relayout_split import split_plan
 from .redistribute.entry import redistribute_local
 from .spec import DTensorSpec, TensorMeta
 
@@ -71,6 +73,7 @@ class _Move(NamedTuple):
     plan: object          # CrossMeshPlan
     parts: tuple | None = None  # per-rank fused: every source's part spec (relayout_fused)
     index: int = 0              # which of them this move fills
+    window: int | None = None   # which window of a source split to fit the bucket, if it is
 
 
 def _tensors(obj) -> dict:
@@ -438,7 +441,7 @@ def _fingerprint(moves, options) -> int:
                 meshes[id(mesh)] = f"{mesh.device_type}{[t.tolist() for t in mesh_instances(mesh)]}"
             parts.append(f"{meshes[id(mesh)]}{spec.placements}{spec.shard_order}"
                          f"{tuple(spec.shape)}{spec.dtype}")
-        parts.append(f"{m.src_name}>{m.dst_name}@{m.region}"
+        parts.append(f"{m.src_name}>{m.dst_name}@{m.region}#{m.window}"
                      + (f"/per-rank {m.index} of {[tuple(p.shape) for p in m.parts]}"
                         if m.parts else ""))
     return zlib.crc32("|".join(parts).encode()) & 0x7FFFFFFF
@@ -540,7 +543,24 @@ def plan_relayout(src, dst, *, name_map: dict | Callable | None = None,
                 offset += sspec.shape[dim]
     if bucket_bytes is None:
         bucket_bytes = auto_bucket_bytes(moves)
+    moves = _split_large(moves, bucket_bytes)
     return RelayoutPlan(moves, _buckets(moves, bucket_bytes), bucket_bytes, dtype)
+
+
+def _split_large(moves, bucket_bytes: int) -> list:
+    """Every move whose traffic passes the bucket replaced by the moves of windows of its
+    source that each fit one (``relayout_split``), so the bucket bounds the extra memory
+    whatever the largest tensor. Moves sharing one cross-mesh plan (a model's layers) share
+    its pieces too (the dry run counts by plan)."""
+    pieces: dict = {}
+    out = []
+    for m in moves:
+        split = pieces.get(id(m.plan))
+        if split is None:
+            split = pieces[id(m.plan)] = split_plan(m.plan, m.src.shape, bucket_bytes)
+        out += [m._replace(plan=p, window=k) for k, p in enumerate(split)] \
+            if len(split) > 1 else [m]
+    return out
 
 
 def auto_bucket_bytes(moves) -> int:

@@ -2,15 +2,22 @@
 traffic within [1 MiB, 256 MiB], so the planned extra memory (one bucket's receive buffers and
 the next one's send and receive buffers: buckets overlap) stays under 10% of what the busiest
 rank moves -- planned on described tensors (no data) of a 1 GiB model; and an overlapped run
-fills the destination exactly as distribute_tensor's pieces."""
+fills the destination exactly as distribute_tensor's pieces. A tensor whose traffic passes the
+bucket is split across buckets (windows of rows, of columns where one row passes it), so the
+bound holds whatever the largest tensor: same bytes per rank pair as unsplit, same values, in
+place."""
 
 import torch
 
-from dtensor_lite import Shard, distribute_tensor, init_device_mesh
+import torch.distributed as dist
+
+from dtensor_lite import DeviceMesh, Shard, distribute_tensor, init_device_mesh
 from dtensor_lite.describe import describe_model
 from dtensor_lite.relayout import (AUTO_BUCKET_FRACTION, AUTO_BUCKET_MIN, auto_bucket_bytes,
                                    plan_relayout)
+from dtensor_lite.relayout import Concat
 from tests.harness import distributed
+from tests.test_relayout_fused import check_bucket_bound, wire_buffers
 
 
 @distributed(world_size=2)
@@ -37,8 +44,45 @@ def test_overlapped_buckets_fill_the_destination_exactly():
     full = {f"w{i}": torch.randn(16, 8 + i) for i in range(6)}
     src = {n: distribute_tensor(t, mesh, [Shard(0)]) for n, t in full.items()}
     dst = {n: distribute_tensor(torch.zeros(t.shape), mesh, [Shard(1)]) for n, t in full.items()}
-    plan = plan_relayout(src, dst, bucket_bytes=64)  # one tensor per bucket: 6 overlapped
+    # each tensor sends <= 224 B per rank, any two more than 240: one per bucket, 6 overlapped
+    plan = plan_relayout(src, dst, bucket_bytes=240)
     assert len(plan.buckets) == 6
     plan.run(src, dst)
     for n, t in full.items():
         assert torch.equal(dst[n].to_local(), distribute_tensor(t, mesh, [Shard(1)]).to_local())
+
+
+@distributed(world_size=4)
+def test_tensors_many_times_the_bucket_are_split_across_buckets():
+    """A 4 KiB bucket; FSDP-4 sources of 37 x 300 fp32 (43 KiB: uneven pieces), a 1-row one,
+    an empty one, and rows of 2000 columns (8 KiB: one row passes the bucket) -> a fused
+    per-rank [q_r; k_r; v_r] on TP-2 (ranks 2, 3: overlapping) and a Shard(1) weight on all 4."""
+    torch.manual_seed(0)
+    full = {"q": torch.randn(38, 300), "k": torch.randn(2, 300), "v": torch.zeros(0, 300),
+            "wide": torch.randn(5, 2000)}
+    A = init_device_mesh("cpu", (4,))
+    tp = DeviceMesh("cpu", [2, 3])
+    srcs = {n: distribute_tensor(t, A, [Shard(0)]) for n, t in full.items()}
+    dsts = {"qkv": distribute_tensor(torch.zeros(40, 300), tp, [Shard(0)]),
+            "wide": distribute_tensor(torch.zeros(5, 2000), A, [Shard(1)])}
+    buffers = {n: d._local_tensor for n, d in dsts.items()}
+    fused = {"qkv": Concat(["q", "k", "v"], per_rank=True)}
+    bucket = 4096
+    plan = plan_relayout(srcs, dsts, fused=fused, bucket_bytes=bucket)
+    whole = plan_relayout(srcs, dsts, fused=fused, bucket_bytes=1 << 30)
+    assert len(whole.buckets) == 1 and len(plan.buckets) >= 2 * 43 * 1024 // (3 * bucket)
+    assert plan.pair_bytes() == whole.pair_bytes()  # the minimum, unchanged by splitting
+    for k in range(len(plan.buckets)):
+        assert max(max(side.values(), default=0) for side in plan.bucket_traffic(k)) <= bucket
+    with wire_buffers() as seen:
+        plan.run(srcs, dsts)
+    check_bucket_bound(plan, seen, dist.get_rank())
+    coord = tp.get_coordinate()
+    if coord is not None:
+        want = torch.cat([full[n].chunk(2)[coord[0]] if len(full[n]) else full[n]
+                          for n in ("q", "k", "v")])
+        assert dsts["qkv"]._local_tensor is buffers["qkv"]
+        assert torch.equal(buffers["qkv"], want)
+    assert dsts["wide"]._local_tensor is buffers["wide"]
+    assert torch.equal(buffers["wide"],
+                       distribute_tensor(full["wide"], A, [Shard(1)]).to_local())
