@@ -253,10 +253,11 @@ class RelayoutPlan:
         # send buffers freed) before k+1's are packed, so a rank holds at most bucket k's
         # receive buffers and k+1's send and receive buffers at once (peak_extra_bytes).
         in_flight = None  # (moves, pending exchange, send buffers, source pieces)
+        reduced: dict = {}  # the last Partial source reduced: its windows reduce it once
         for bucket in self.buckets:
             moves = [self.moves[i] for i in bucket]
             received = self._finish(in_flight)
-            local_src, sends, recvs, device = _pack(moves, srcs, dsts, me)
+            local_src, sends, recvs, device = _pack(moves, srcs, dsts, me, reduced)
             pending = C.exchange_pieces(sends, recvs, device, async_op=True, link=self.link)
             if in_flight is not None:
                 _unpack(in_flight[0], received, in_flight[3], dsts, me)
@@ -275,7 +276,7 @@ class RelayoutPlan:
         return received
 
 
-def _pack(moves, srcs, dsts, me: int):
+def _pack(moves, srcs, dsts, me: int, reduced: dict):
     """(source pieces, {peer: 1-D send buffer}, {peer: (numel, dtype) to receive}, device) of
     one bucket: one buffer per peer in the wire dtype, filled in place -- the cast happens in the
     copy, before sending, and no piece is held twice."""
@@ -284,7 +285,7 @@ def _pack(moves, srcs, dsts, me: int):
     send_numel: dict = {}
     device = None  # where this rank's pieces live (its wire buffers go there too)
     for m in moves:
-        local, offset = _source_piece(m, srcs[m.src_name], me)
+        local, offset = _source_piece(m, srcs[m.src_name], me, reduced)
         local_src[id(m)] = (local, offset)
         if local is not None and device is None:
             device = local.device
@@ -349,20 +350,24 @@ def _only_described(m: _Move, spec: DTensorSpec, me: int, side: str, name: str,
             "ranks of its mesh")
 
 
-def _source_piece(m: _Move, t, me: int):
+def _source_piece(m: _Move, t, me: int, reduced: dict):
     """(this rank's piece of source ``t`` -- Partial dims reduced inside its mesh -- and its
     global offset), or (None, None) where this rank holds none of it (outside its mesh, or
-    ``t`` is only described: ``describe.describe``)."""
+    ``t`` is only described: ``describe.describe``). ``reduced`` keeps the last Partial
+    source's reduced piece, so the windows of a source split across buckets reduce it once."""
     if isinstance(t, DTensorSpec):
         _only_described(m, t, me, "source", m.src_name, any(a == me for a, _ in m.plan.pairs))
         return None, None
     local, spec = t._local_tensor, t._spec
-    reduced = reduced_source(spec)
-    if reduced is not spec:  # a Partial source: reduced inside its mesh first
-        local = redistribute_local(local, spec, reduced)
-    if reduced.mesh.get_coordinate() is None:
+    target = reduced_source(spec)
+    if target is not spec:  # a Partial source: reduced inside its mesh first
+        if m.src_name not in reduced:
+            reduced.clear()
+            reduced[m.src_name] = redistribute_local(local, spec, target)
+        local = reduced[m.src_name]
+    if target.mesh.get_coordinate() is None:
         return None, None
-    return local, reduced.local_shape_and_offset()[1]
+    return local, target.local_shape_and_offset()[1]
 
 
 def _target(m: _Move, out, me: int):

@@ -86,3 +86,27 @@ def test_tensors_many_times_the_bucket_are_split_across_buckets():
     assert dsts["wide"]._local_tensor is buffers["wide"]
     assert torch.equal(buffers["wide"],
                        distribute_tensor(full["wide"], A, [Shard(1)]).to_local())
+
+
+@distributed(world_size=2)
+def test_a_partial_source_split_across_buckets_is_reduced_once():
+    """A Partial("sum") source 3 KiB per rank with a 256 B bucket: its windows share one
+    reduction inside its mesh (one collective, not one per window) and the destination holds
+    the sum."""
+    from dtensor_lite import DTensor, Partial
+    from dtensor_lite.debug import CommDebugMode
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(dist.get_rank())
+    mine = torch.randn(24, 32)
+    src = {"w": DTensor.from_local(mine, mesh, [Partial("sum")])}
+    dst = {"w": distribute_tensor(torch.zeros(24, 32), mesh, [Shard(0)])}
+    plan = plan_relayout(src, dst, bucket_bytes=256)
+    assert len(plan.buckets) > 1
+    with CommDebugMode() as comm:
+        plan.run(src, dst, check=False)
+    counts = dict(comm.get_comm_counts())
+    assert counts.pop("cross_mesh") == len(plan.buckets)
+    assert sum(counts.values()) == 1, counts
+    total = mine.clone()
+    dist.all_reduce(total)
+    assert torch.allclose(dst["w"].to_local(), total.chunk(2)[dist.get_rank()], rtol=0, atol=0)
