@@ -11,9 +11,9 @@ receive stays within ``bucket_bytes``; a bucket is ONE message per rank pair (it
 concatenated), cast to the wire dtype *before* sending, written into the destination's local
 pieces in place. The next bucket is in flight while the last is unpacked, so the extra memory of
 a rank is at most one bucket's receive buffers plus the next one's send and receive buffers:
-3 x ``bucket_bytes``. A tensor whose traffic passes the bucket is split into windows of its rows
-(of a row's columns, if one row does not fit) that each fit one (``relayout_split.py``). The default bucket is a fraction of the
-busiest rank's traffic (``AUTO_BUCKET_FRACTION``): no tuning.
+3 x ``bucket_bytes``. A tensor whose traffic passes the bucket is split into windows that each
+fit one, every window a slice of every rank pair's boxes (``relayout_split.py``). The default
+bucket is a fraction of the busiest rank's traffic (``AUTO_BUCKET_FRACTION``): no tuning.
 
 Everything is decided from metadata (names, shapes, dtypes, meshes, placements) that every rank
 has, so ``RelayoutPlan.report()`` is a dry run that needs no data; before moving anything the
@@ -562,7 +562,7 @@ def _split_large(moves, bucket_bytes: int) -> list:
     for m in moves:
         split = pieces.get(id(m.plan))
         if split is None:
-            split = pieces[id(m.plan)] = split_plan(m.plan, m.src.shape, bucket_bytes)
+            split = pieces[id(m.plan)] = split_plan(m.plan, bucket_bytes)
         out += [m._replace(plan=p, window=k) for k, p in enumerate(split)] \
             if len(split) > 1 else [m]
     return out

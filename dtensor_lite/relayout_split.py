@@ -2,92 +2,98 @@
 
 A cross-mesh plan (``redistribute.cross_mesh.CrossMeshPlan``) is metadata: per (source rank,
 destination rank) the boxes (global index ranges) one sends the other, per rank the boxes it
-copies itself. Cutting every box with a *window* -- a box of the source's global index space --
-gives the plan of that window alone; windows that tile the tensor give plans that together move
-every element exactly once, so the bytes moved stay the minimum and each window is written in
-place like any move (its boxes index the same pieces). The windows are cut in row-major order:
-the most rows along dim 0 whose every rank's send and receive fit the bucket; a single row that
-does not fit is cut along dim 1 the same way, and so on. So no bucket holds more than
-``bucket_bytes`` per rank unless one element is larger than it.
+copies itself. Window k of n takes the k-th of n near-equal parts of *every* box -- its rows
+(along dim 0; a box with fewer rows than parts gives each row several parts, cut along the next
+dim the same way). So the windows tile every box: together they move every element exactly
+once (the bytes stay the minimum), each is written in place like any move (its boxes index the
+same pieces), and every rank pair that exchanges anything exchanges about 1/n of it in every
+window: all pairs stay busy in every bucket. (Cutting the tensor into row ranges instead would
+give each window to the few pairs that hold those rows, and the buckets of one tensor would run
+one pair after another.) n starts at the busiest rank's traffic over the bucket and grows until
+every window fits, so no bucket holds more than ``bucket_bytes`` per rank unless one element is
+larger than it.
 
 Example::
 
-    >>> pieces = split_plan(plan, shape=(4096, 4096), bucket_bytes=1 << 20)
+    >>> pieces = split_plan(plan, bucket_bytes=1 << 20)
     >>> sum(p.bytes_sent().get(0, 0) for p in pieces) == plan.bytes_sent().get(0, 0)
     True
 """
 from __future__ import annotations
 
 from .redistribute.cross_mesh import CrossMeshPlan, box_volume
-from .redistribute.cross_mesh import _intersect as _cut  # box ∩ window, or None
 
 __all__ = ["split_plan"]
 
 
-def _busiest(plan: CrossMeshPlan, window) -> int:
-    """The most bytes any rank sends or receives of ``window``."""
-    sent: dict = {}
-    recv: dict = {}
-    for (a, b), boxes in plan.pairs.items():
-        n = 0
-        for box in boxes:
-            cut = _cut(box, window)
-            if cut is not None:
-                n += box_volume(cut)
-        if n:
-            sent[a] = sent.get(a, 0) + n
-            recv[b] = recv.get(b, 0) + n
-    return max([*sent.values(), *recv.values(), 0]) * plan.itemsize
-
-
-def _windows(plan: CrossMeshPlan, window: tuple, dim: int, bucket_bytes: int) -> list:
-    """Windows tiling ``window`` (whole along dims after ``dim``) in row-major order, each
-    fitting the bucket -- except a single element that is larger than it."""
-    start, stop = window[dim]
+def _parts(box: tuple, n: int) -> list:
+    """``box`` cut into n parts (a box or None each), in row-major order, near-equal: by rows
+    along dim 0 where it has at least n rows, else each row into its share of the parts along
+    the next dim."""
+    if n == 1:
+        return [box]
+    if not box:  # a 0-d tensor's one element
+        return [box] + [None] * (n - 1)
+    (start, stop), rest = box[0], box[1:]
+    rows = stop - start
+    if rows >= n:
+        return [((start + rows * k // n, start + rows * (k + 1) // n),) + rest
+                for k in range(n)]
     out = []
-    lo = start
-    while lo < stop:
-        # the largest hi whose window [lo, hi) fits (traffic grows with hi: binary search)
-        fits, bad = lo, stop + 1
-        while bad - fits > 1:
-            mid = (fits + bad) // 2
-            trial = window[:dim] + ((lo, mid),) + window[dim + 1:]
-            if _busiest(plan, trial) <= bucket_bytes:
-                fits = mid
-            else:
-                bad = mid
-        if fits > lo:
-            out.append(window[:dim] + ((lo, fits),) + window[dim + 1:])
-            lo = fits
-            continue
-        row = window[:dim] + ((lo, lo + 1),) + window[dim + 1:]
-        if dim + 1 < len(window):  # one row is too big: cut it along the next dim
-            out += _windows(plan, row, dim + 1, bucket_bytes)
-        else:  # one element is larger than the bucket: it travels alone
-            out.append(row)
-        lo += 1
+    for i in range(rows):
+        share = n * (i + 1) // rows - n * i // rows
+        row = (start + i, start + i + 1)
+        out += [None if p is None else (row,) + p for p in _parts(rest, share)] if rest \
+            else [(row,)] + [None] * (share - 1)
     return out
 
 
-def _restricted(plan: CrossMeshPlan, window) -> CrossMeshPlan:
+def _windows(plan: CrossMeshPlan, n: int) -> list:
     def cut(table):
-        out = {}
+        out = [{} for _ in range(n)]
         for key, boxes in table.items():
-            kept = [c for c in (_cut(b, window) for b in boxes) if c is not None]
-            if kept:
-                out[key] = kept
+            for box in boxes:
+                for k, part in enumerate(_parts(box, n)):
+                    if part is not None:
+                        out[k].setdefault(key, []).append(part)
         return out
-    return CrossMeshPlan(cut(plan.pairs), cut(plan.local), plan.itemsize)
+    return [CrossMeshPlan(p, loc, plan.itemsize)
+            for p, loc in zip(cut(plan.pairs), cut(plan.local))]
 
 
-def split_plan(plan: CrossMeshPlan, shape, bucket_bytes: int) -> list:
-    """``plan`` itself in a list where its busiest rank's traffic fits ``bucket_bytes`` (or the
-    tensor is 0-d); else the plans of windows tiling the source's index space (``shape``), in
-    row-major order, each fitting the bucket (see the module's docstring), windows moving
-    nothing left out."""
-    shape = tuple(shape)
-    whole = tuple((0, n) for n in shape)
-    if not shape or _busiest(plan, whole) <= bucket_bytes:
+def _busiest(plan: CrossMeshPlan) -> int:
+    """The most bytes any rank sends or receives in ``plan``."""
+    sent: dict = {}
+    recv: dict = {}
+    for (a, b), n in plan.pair_bytes().items():
+        sent[a] = sent.get(a, 0) + n
+        recv[b] = recv.get(b, 0) + n
+    return max([*sent.values(), *recv.values(), 0])
+
+
+def split_plan(plan: CrossMeshPlan, bucket_bytes: int) -> list:
+    """``[plan]`` where its busiest rank's traffic fits ``bucket_bytes``; else the plans of the
+    fewest windows (see the module's docstring) that each fit it, windows moving nothing left
+    out."""
+    busiest = _busiest(plan)
+    if busiest <= bucket_bytes:
         return [plan]
-    pieces = (_restricted(plan, w) for w in _windows(plan, whole, 0, bucket_bytes))
-    return [p for p in pieces if p.pairs or p.local]
+    largest = max((box_volume(b) for boxes in plan.pairs.values() for b in boxes), default=1)
+    n = -(-busiest // bucket_bytes)
+    while True:
+        windows = _windows(plan, n)
+        if all(_busiest(w) <= bucket_bytes for w in windows):
+            return [w for w in windows if w.pairs or w.local]
+        if n >= largest:  # every part is one element: a rank's several boxes still pass a
+            return [one for w in windows for one in _one_box_each(w)]  # tiny bucket
+        n = min(largest, n + max(1, n // 8))
+
+
+def _one_box_each(plan: CrossMeshPlan) -> list:
+    """``plan`` as one window per box it sends (its local copies with the first): each fits a
+    bucket that holds the largest box."""
+    out = [CrossMeshPlan({key: [box]}, {}, plan.itemsize)
+           for key, boxes in plan.pairs.items() for box in boxes]
+    if plan.local:
+        out = [CrossMeshPlan(out[0].pairs if out else {}, plan.local, plan.itemsize)] + out[1:]
+    return out

@@ -110,3 +110,38 @@ def test_a_partial_source_split_across_buckets_is_reduced_once():
     total = mine.clone()
     dist.all_reduce(total)
     assert torch.allclose(dst["w"].to_local(), total.chunk(2)[dist.get_rank()], rtol=0, atol=0)
+
+
+def test_split_windows_tile_every_box_and_keep_every_pair_busy():
+    """``split_plan`` on metadata alone: the windows cover every box of every pair (and every
+    local copy) exactly once, each fits the bucket, and every pair sends in every window (the
+    windows slice each pair's boxes, not the tensor's rows: one tensor's buckets do not run
+    one pair after another); down to a bucket of one element, where a rank's several boxes go
+    one per window."""
+    import itertools
+    import math
+
+    from dtensor_lite.redistribute.cross_mesh import CrossMeshPlan
+    from dtensor_lite.relayout_split import split_plan
+    plan = CrossMeshPlan({(0, 2): [((0, 40), (0, 6))], (1, 2): [((40, 80), (0, 6))],
+                          (1, 3): [((80, 83), (0, 6)), ((83, 84), (2, 5))]},
+                         {3: [((84, 90), (0, 6))]}, itemsize=4)
+
+    def cells(table):
+        return sorted((key, c) for key, boxes in table.items() for box in boxes
+                      for c in itertools.product(*[range(s, e) for s, e in box]))
+    for bucket in (4, 12, 100, 400, 960, 1 << 20):
+        windows = split_plan(plan, bucket)
+        got_pairs = sorted(c for w in windows for c in cells(w.pairs))
+        assert got_pairs == cells(plan.pairs)
+        assert sorted(c for w in windows for c in cells(w.local)) == cells(plan.local)
+        for w in windows:
+            sent, recv = {}, {}
+            for (a, b), n in w.pair_bytes().items():
+                sent[a] = sent.get(a, 0) + n
+                recv[b] = recv.get(b, 0) + n
+            assert max([*sent.values(), *recv.values(), 0]) <= bucket
+        for key, boxes in plan.pairs.items():  # a pair whose boxes have at least a part for
+            if min(math.prod(e - s for s, e in b) for b in boxes) >= len(windows):  # each
+                assert all(key in w.pairs for w in windows), (key, bucket)  # window: in each
+    assert split_plan(plan, 1 << 20) == [plan]
