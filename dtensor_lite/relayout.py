@@ -13,7 +13,8 @@ pieces in place. The next bucket is in flight while the last is unpacked, so the
 a rank is at most one bucket's receive buffers plus the next one's send and receive buffers:
 3 x ``bucket_bytes``. A tensor whose traffic passes the bucket is split into windows that each
 fit one, every window a slice of every rank pair's boxes (``relayout_split.py``). The default
-bucket is a fraction of the busiest rank's traffic (``AUTO_BUCKET_FRACTION``): no tuning.
+bucket is a fraction of the busiest rank's traffic (``AUTO_BUCKET_FRACTION``; at most one bucket
+per 2 tensors): no tuning.
 
 Everything is decided from metadata (names, shapes, dtypes, meshes, placements) that every rank
 has, so ``RelayoutPlan.report()`` is a dry run that needs no data; before moving anything the
@@ -51,14 +52,20 @@ from .spec import DTensorSpec, TensorMeta
 __all__ = ["Concat", "RelayoutPlan", "plan_relayout", "relayout_", "relayout_optimizer_state_"]
 
 # The default bucket (``bucket_bytes=None``): 1/32 of the most any rank sends or receives over
-# the whole relayout, within [1 MiB, 256 MiB]. Why: buckets overlap (one in flight while the
-# last is unpacked), so a rank holds at most 3 buckets of wire buffers at once -- under 10% of
-# what it receives, i.e. of the destination weights it already holds, whatever the model's size
-# (an engine that fits its weights fits the sync). ~32 buckets keep the per-bucket costs (one
-# message per peer, one pack / unpack pass) small against the bytes, and overlapping hides the
-# unpacking. The floor keeps messages large enough that latency does not dominate; the cap bounds
-# the headroom in absolute terms on GPUs whose memory an engine gives to its KV cache.
+# the whole relayout -- or, for a model of few tensors, the traffic of 2 average tensors -- within
+# [1 MiB, 256 MiB]. Why: buckets overlap (one in flight while the last is unpacked), so a rank
+# holds at most 3 buckets of wire buffers at once -- under 10% of what it receives, i.e. of the
+# destination weights it already holds, whatever the model's size (an engine that fits its
+# weights fits the sync). Each bucket is one round in which every rank that sends or receives in
+# it must run: on a loaded machine a round costs a scheduling cycle of every process whatever its
+# bytes, so the number of rounds, not the bytes, sets the time there. ~32 buckets keep that small,
+# and at most one bucket per 2 tensors keeps it at most half of what a per-parameter sync pays
+# (one collective per tensor at least) -- for a model of few large tensors, where 1/32 of the
+# traffic would give more buckets than that. The floor keeps messages large enough that latency
+# does not dominate; the cap bounds the headroom in absolute terms on GPUs whose memory an engine
+# gives to its KV cache.
 AUTO_BUCKET_FRACTION = 32
+AUTO_TENSORS_PER_BUCKET = 2
 AUTO_BUCKET_MIN = 1 << 20
 AUTO_BUCKET_MAX = 256 << 20
 
@@ -479,8 +486,9 @@ def plan_relayout(src, dst, *, name_map: dict | Callable | None = None,
     each destination rank needs move. ``dtype``: the wire dtype, cast before sending (the destination tensors must have it;
     default: the source's, which must then equal the destination's). ``bucket_bytes``: the most
     bytes a rank sends (or receives) per bucket; default (None): 1/32 of the most any rank
-    sends or receives in all, within [1 MiB, 256 MiB] (``AUTO_BUCKET_FRACTION``: the extra
-    memory stays under 10% of what a rank receives).
+    sends or receives in all (for a model of fewer than 64 tensors, that traffic over half their
+    number: at most one bucket per 2 tensors), within [1 MiB, 256 MiB]
+    (``AUTO_BUCKET_FRACTION``: the extra memory stays under 10% of what a rank receives).
     """
     srcs, dsts = _tensors(src), _tensors(dst)
     fused = dict(fused or {})
@@ -569,8 +577,9 @@ def _split_large(moves, bucket_bytes: int) -> list:
 
 
 def auto_bucket_bytes(moves) -> int:
-    """The default bucket: 1/32 of the most any rank sends or receives over all ``moves``,
-    within [1 MiB, 256 MiB] (why: at ``AUTO_BUCKET_FRACTION``)."""
+    """The default bucket: the larger of 1/32 of the most any rank sends or receives over all
+    ``moves`` and that times 2 over the number of destination tensors, within [1 MiB, 256 MiB]
+    (why: at ``AUTO_BUCKET_FRACTION``)."""
     sent: dict = {}
     recv: dict = {}
     for m in moves:
@@ -579,7 +588,9 @@ def auto_bucket_bytes(moves) -> int:
             for r, n in part.items():
                 table[r] = table.get(r, 0) + n
     busiest = max([*sent.values(), *recv.values(), 0])
-    return min(max(busiest // AUTO_BUCKET_FRACTION, AUTO_BUCKET_MIN), AUTO_BUCKET_MAX)
+    tensors = max(len({m.dst_name for m in moves}), 1)
+    bucket = max(busiest // AUTO_BUCKET_FRACTION, busiest * AUTO_TENSORS_PER_BUCKET // tensors)
+    return min(max(bucket, AUTO_BUCKET_MIN), AUTO_BUCKET_MAX)
 
 
 def _buckets(moves, bucket_bytes: int) -> list:

@@ -1,11 +1,11 @@
 """The default bucket (``plan_relayout(bucket_bytes=None)``): 1/32 of the busiest rank's
-traffic within [1 MiB, 256 MiB], so the planned extra memory (one bucket's receive buffers and
-the next one's send and receive buffers: buckets overlap) stays under 10% of what the busiest
-rank moves -- planned on described tensors (no data) of a 1 GiB model; and an overlapped run
-fills the destination exactly as distribute_tensor's pieces. A tensor whose traffic passes the
-bucket is split across buckets (windows of rows, of columns where one row passes it), so the
-bound holds whatever the largest tensor: same bytes per rank pair as unsplit, same values, in
-place."""
+traffic (at most one bucket per 2 tensors) within [1 MiB, 256 MiB], so the planned extra
+memory (one bucket's receive buffers and the next one's send and receive buffers: buckets
+overlap) stays under 10% of what the busiest rank moves (64 tensors and more) -- planned on
+described tensors (no data) of a 1 GiB model; and an overlapped run fills the destination
+exactly as distribute_tensor's pieces. A tensor whose traffic passes the bucket is split across
+buckets (window k: the k-th part of every pair's boxes), so the bound holds whatever the largest
+tensor: same bytes per rank pair as unsplit, same values, in place."""
 
 import torch
 
@@ -13,8 +13,8 @@ import torch.distributed as dist
 
 from dtensor_lite import DeviceMesh, Shard, distribute_tensor, init_device_mesh
 from dtensor_lite.describe import describe_model
-from dtensor_lite.relayout import (AUTO_BUCKET_FRACTION, AUTO_BUCKET_MIN, auto_bucket_bytes,
-                                   plan_relayout)
+from dtensor_lite.relayout import (AUTO_BUCKET_FRACTION, AUTO_BUCKET_MIN,
+                                   AUTO_TENSORS_PER_BUCKET, auto_bucket_bytes, plan_relayout)
 from dtensor_lite.relayout import Concat
 from tests.harness import distributed
 from tests.test_relayout_fused import check_bucket_bound, wire_buffers
@@ -35,6 +35,13 @@ def test_default_bucket_bounds_extra_memory_relative_to_traffic():
     small = plan_relayout(describe_model({"w": (8, 8)}, mesh, [Shard(0)], dtype=torch.float32),
                           describe_model({"w": (8, 8)}, mesh, [Shard(1)], dtype=torch.float32))
     assert small.bucket_bytes == AUTO_BUCKET_MIN
+    # few large tensors: at most one bucket (one round of messages) per 2 tensors, not 32
+    few = {f"w{i}": (1024, 4096) for i in range(4)}
+    plan = plan_relayout(describe_model(few, mesh, [Shard(0)], dtype=torch.float32),
+                         describe_model(few, mesh, [Shard(1)], dtype=torch.float32))
+    busiest = max(max(plan.bytes_sent().values()), max(plan.bytes_received().values()))
+    assert plan.bucket_bytes == busiest * AUTO_TENSORS_PER_BUCKET // 4
+    assert len(plan.buckets) == 4 // AUTO_TENSORS_PER_BUCKET
 
 
 @distributed(world_size=2)

@@ -8,9 +8,9 @@ pieces of the sources under the engine's placements (``distribute_tensor``'s pie
 oracle), written into the same storage; the bytes sent are the minimum (every needed element a
 rank does not hold crosses once); with buckets down to one element, tensors many times the
 bucket are split across buckets, each bucket's wire buffers stay within it and the most held at
-once is the plan's ``peak_extra_bytes`` (<= 3 buckets). Named cases: GQA into TP-2 replicas sliced from a 2-D mesh, the
-errors (a missing source, sizes that do not add up, an ambiguous ``Concat``, per-rank sizes that
-do not split)."""
+once is the plan's ``peak_extra_bytes`` (<= 3 buckets). Named cases: GQA into TP-2 replicas
+sliced from a 2-D mesh, the errors (a missing source, sizes that do not add up, an ambiguous
+``Concat``, per-rank sizes that do not split)."""
 
 import contextlib
 import math
