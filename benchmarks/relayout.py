@@ -11,12 +11,19 @@ parameter whole to each engine rank), on the example Llama and on a larger synth
 ``--engine-job`` (2, vLLM's fused layout) as two torchrun subprocesses joined by
 ``dtensor_lite.jobs`` and reads the per-rank figures they write (second sync).
 
+The one-world rows use the engine as a vLLM-style engine holds it (examples/rl_engine.py:
+``[q_r; k_r; v_r]``, ``[gate_r; up_r]`` per TP rank: ``Concat(per_rank=True)``); "relayout" is the
+default bucket (no tuning), "relayout 16 MiB" a hand-picked one beside it; the by-hand syncs fill
+the same buffers through the engine's weight loader.
+
 Columns: bytes sent by the busiest rank (CommDebugMode; the broadcast's point-to-point sends
-counted by hand), wall time of the slowest rank, peak memory above the start on the worst rank
-(MemoryTracker: the profiler's allocator events). Below the table, the plan's own figures beside
-the measured ones: the busiest rank's bytes (must be equal) and ``estimate_seconds`` with this
-machine's point-to-point link (``plan.measure_link``) against the measured time, as a ratio. The methods run interleaved in one process
-group, so machine load hits them alike; on a shared machine, compare ratios.
+counted by hand), wall time of the slowest rank (the median of ``--repeats`` runs of every method,
+interleaved, and their range: on a shared machine one stalled process sets a run's time), peak
+memory above the start on the worst rank (MemoryTracker: the profiler's allocator events). Below
+the table, whether the default bucket is below both by-hand syncs in time and peak and at most
+the 16 MiB bucket's peak; the plan's own figures beside the measured ones: the busiest rank's
+bytes (must be equal) and ``estimate_seconds`` with this machine's point-to-point link
+(``plan.measure_link``) against the measured time, as a ratio.
 """
 from __future__ import annotations
 
@@ -84,7 +91,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--rollout", type=int, default=0)
     ap.add_argument("--models", default="example,synthetic")
-    ap.add_argument("--bucket-mb", default="auto", help="MiB, or auto: the relayout's rule")
+    ap.add_argument("--bucket-mb", default="auto,16",
+                    help="MiB, or auto: the relayout's rule; several, comma-separated: the first "
+                    "is 'relayout', the others rows beside it (default %(default)s)")
+    ap.add_argument("--repeats", type=int, default=5,
+                    help="runs of every method per sync, interleaved; the table gives the "
+                    "median and the range (default %(default)s)")
     ap.add_argument("--json", default="relayout_benchmark.json")
     ap.add_argument("--two-jobs", action="store_true",
                     help="launch a 4-process trainer job and a 2-process engine job (no torchrun)")
@@ -95,8 +107,9 @@ def main():
     dist.init_process_group("gloo")
     table = []
     for name in args.models.split(","):
-        argv = MODELS[name] + ["--rollout", str(args.rollout), "--syncs", "2",
-                               "--sync-every", "1", "--bucket-mb", args.bucket_mb]
+        argv = MODELS[name] + ["--rollout", str(args.rollout), "--syncs", "2", "--engine",
+                               "fused", "--sync-every", "1", "--bucket-mb", args.bucket_mb,
+                               "--repeats", str(args.repeats)]
         rows = run(parse_args(argv))
         for row in rows:
             if row["sync"] == 1:  # the second sync: warm (the first pays one-time set-up)
@@ -104,11 +117,15 @@ def main():
     if dist.get_rank() == 0:
         mode = f"disjoint {dist.get_world_size() - args.rollout}+{args.rollout}" if args.rollout \
             else f"colocated on {dist.get_world_size()}"
-        print(f"\nrelayout benchmark, {mode}, bucket {args.bucket_mb} MiB")
-        print(f"{'model':>10} {'method':>16} {'busiest MiB':>12} {'ms':>9} {'peak MiB':>9}")
+        print(f"\nrelayout benchmark, {mode}, engine in vLLM's fused layout, bucket "
+              f"{args.bucket_mb} MiB, median of {args.repeats} interleaved runs")
+        print(f"{'model':>9} {'method':>15} {'busiest MiB':>11} {'ms':>7} {'ms range':>13} "
+              f"{'peak MiB':>8}")
         for r in table:
-            print(f"{r['model']:>10} {r['method']:>16} {r['busiest_rank_bytes'] / 2**20:12.3f} "
-                  f"{r['seconds'] * 1e3:9.1f} {r['peak_extra_bytes_max'] / 2**20:9.2f}")
+            lo, hi = r["seconds_per_repeat"][0], r["seconds_per_repeat"][-1]
+            print(f"{r['model']:>9} {r['method']:>15} {r['busiest_rank_bytes'] / 2**20:11.3f} "
+                  f"{r['seconds'] * 1e3:7.1f} {f'{lo * 1e3:.0f}-{hi * 1e3:.0f}':>13} "
+                  f"{r['peak_extra_bytes_max'] / 2**20:8.2f}")
         for model in dict.fromkeys(r["model"] for r in table):
             ours = next(r for r in table if r["model"] == model and r["method"] == "relayout")
             link = ours["link"]
@@ -120,6 +137,16 @@ def main():
                   f"link ({link['bandwidth'] / 1e9:.2f} GB/s, {link['latency'] * 1e6:.0f} us), "
                   f"{ours['seconds'] * 1e3:.1f} ms measured: "
                   f"{ours['seconds'] / max(ours['estimated_seconds'], 1e-12):.2f}x")
+            by_hand = [r for r in table if r["model"] == model and not
+                       r["method"].startswith("relayout")]
+            tuned = [r for r in table if r["model"] == model and r["method"].startswith(
+                "relayout ")]
+            print(f"{model}: default bucket vs by hand: time below both: "
+                  f"{all(ours['seconds'] < r['seconds'] for r in by_hand)}, peak below both: "
+                  f"{all(ours['peak_extra_bytes_max'] < r['peak_extra_bytes_max'] for r in by_hand)}"
+                  + "".join(f"; peak <= {r['method']}'s: "
+                            f"{ours['peak_extra_bytes_max'] <= r['peak_extra_bytes_max']}"
+                            for r in tuned))
             for r in table:
                 if r["model"] == model and r is not ours:
                     print(f"{model}: {r['method']} / relayout: bytes "

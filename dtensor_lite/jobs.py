@@ -54,6 +54,10 @@ __all__ = ["JobLink", "JobLinkError", "CrossJobPlan", "connect_jobs"]
 ROLES = ("trainer", "engine")  # the joint numbering: the trainer's ranks first
 
 
+# what gloo says when the other side's socket closed (its process died)
+_CLOSED = ("connection closed by peer", "connection reset by peer", "broken pipe")
+
+
 class JobLinkError(RuntimeError):
     """The other job never connected, died, stopped answering, or planned differently."""
 
@@ -133,9 +137,14 @@ class JobLink:
         other = _other(self.role)
         who = (f"the {other} job (joint ranks {self.ranks_of(other).start}-"
                f"{self.ranks_of(other).stop - 1})" if other in self.sizes else f"the {other} job")
+        where = f"relayout across jobs ({self.role} rank {self.local_rank}, rendezvous " \
+            f"{self.address})"
+        if error is not None and any(s in str(error).lower() for s in _CLOSED):
+            # the backend saw the other side's connection close: it died (no timeout ran out)
+            return JobLinkError(f"{where}: {who} died -- its connection closed before it could "
+                                f"{doing} ({error})")
         return JobLinkError(
-            f"relayout across jobs ({self.role} rank {self.local_rank}, rendezvous "
-            f"{self.address}): {who} did not {doing} within {self.timeout:g} s -- it never "
+            f"{where}: {who} did not {doing} within {self.timeout:g} s -- it never "
             f"connected, died or stopped answering" + (f" ({error})" if error else ""))
 
     def _await(self, key: str, doing: str) -> bytes:

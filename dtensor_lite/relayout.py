@@ -10,9 +10,11 @@ the other needs, nothing else. Tensors are grouped into buckets whose largest pe
 receive stays within ``bucket_bytes``; a bucket is ONE message per rank pair (its boxes
 concatenated), cast to the wire dtype *before* sending, written into the destination's local
 pieces in place. The next bucket is in flight while the last is unpacked, so the extra memory of
-a rank is at most one bucket's receive buffers plus the next one's send and receive buffers (a
-tensor larger than the bucket is a bucket of its own). The default bucket is a fraction of the
-busiest rank's traffic (``AUTO_BUCKET_FRACTION``): no tuning.
+a rank is at most one bucket's receive buffers plus the next one's send and receive buffers:
+3 x ``bucket_bytes``. A tensor whose traffic passes the bucket is split into windows that each
+fit one, every window a slice of every rank pair's boxes (``relayout_split.py``). The default
+bucket is a fraction of the busiest rank's traffic (``AUTO_BUCKET_FRACTION``; at most one bucket
+per 2 tensors): no tuning.
 
 Everything is decided from metadata (names, shapes, dtypes, meshes, placements) that every rank
 has, so ``RelayoutPlan.report()`` is a dry run that needs no data; before moving anything the
@@ -43,20 +45,27 @@ from .redistribute.cross_mesh import (box_volume, box_slices, check_meshes, mesh
                                       plan_cross_mesh, reduced_source)
 from .relayout_fused import (Concat, check_per_rank_sizes, concat_layout, part_specs,
                              per_rank_view)
+from .relayout_split import split_plan
 from .redistribute.entry import redistribute_local
 from .spec import DTensorSpec, TensorMeta
 
 __all__ = ["Concat", "RelayoutPlan", "plan_relayout", "relayout_", "relayout_optimizer_state_"]
 
 # The default bucket (``bucket_bytes=None``): 1/32 of the most any rank sends or receives over
-# the whole relayout, within [1 MiB, 256 MiB]. Why: buckets overlap (one in flight while the
-# last is unpacked), so a rank holds at most 3 buckets of wire buffers at once -- under 10% of
-# what it receives, i.e. of the destination weights it already holds, whatever the model's size
-# (an engine that fits its weights fits the sync). ~32 buckets keep the per-bucket costs (one
-# message per peer, one pack / unpack pass) small against the bytes, and overlapping hides the
-# unpacking. The floor keeps messages large enough that latency does not dominate; the cap bounds
-# the headroom in absolute terms on GPUs whose memory an engine gives to its KV cache.
+# the whole relayout -- or, for a model of few tensors, the traffic of 2 average tensors -- within
+# [1 MiB, 256 MiB]. Why: buckets overlap (one in flight while the last is unpacked), so a rank
+# holds at most 3 buckets of wire buffers at once -- under 10% of what it receives, i.e. of the
+# destination weights it already holds, whatever the model's size (an engine that fits its
+# weights fits the sync). Each bucket is one round in which every rank that sends or receives in
+# it must run: on a loaded machine a round costs a scheduling cycle of every process whatever its
+# bytes, so the number of rounds, not the bytes, sets the time there. ~32 buckets keep that small,
+# and at most one bucket per 2 tensors keeps it at most half of what a per-parameter sync pays
+# (one collective per tensor at least) -- for a model of few large tensors, where 1/32 of the
+# traffic would give more buckets than that. The floor keeps messages large enough that latency
+# does not dominate; the cap bounds the headroom in absolute terms on GPUs whose memory an engine
+# gives to its KV cache.
 AUTO_BUCKET_FRACTION = 32
+AUTO_TENSORS_PER_BUCKET = 2
 AUTO_BUCKET_MIN = 1 << 20
 AUTO_BUCKET_MAX = 256 << 20
 
@@ -71,6 +80,7 @@ class _Move(NamedTuple):
     plan: object          # CrossMeshPlan
     parts: tuple | None = None  # per-rank fused: every source's part spec (relayout_fused)
     index: int = 0              # which of them this move fills
+    window: int | None = None   # which window of a source split to fit the bucket, if it is
 
 
 def _tensors(obj) -> dict:
@@ -250,10 +260,11 @@ class RelayoutPlan:
         # send buffers freed) before k+1's are packed, so a rank holds at most bucket k's
         # receive buffers and k+1's send and receive buffers at once (peak_extra_bytes).
         in_flight = None  # (moves, pending exchange, send buffers, source pieces)
+        reduced: dict = {}  # the last Partial source reduced: its windows reduce it once
         for bucket in self.buckets:
             moves = [self.moves[i] for i in bucket]
             received = self._finish(in_flight)
-            local_src, sends, recvs, device = _pack(moves, srcs, dsts, me)
+            local_src, sends, recvs, device = _pack(moves, srcs, dsts, me, reduced)
             pending = C.exchange_pieces(sends, recvs, device, async_op=True, link=self.link)
             if in_flight is not None:
                 _unpack(in_flight[0], received, in_flight[3], dsts, me)
@@ -272,7 +283,7 @@ class RelayoutPlan:
         return received
 
 
-def _pack(moves, srcs, dsts, me: int):
+def _pack(moves, srcs, dsts, me: int, reduced: dict):
     """(source pieces, {peer: 1-D send buffer}, {peer: (numel, dtype) to receive}, device) of
     one bucket: one buffer per peer in the wire dtype, filled in place -- the cast happens in the
     copy, before sending, and no piece is held twice."""
@@ -281,7 +292,7 @@ def _pack(moves, srcs, dsts, me: int):
     send_numel: dict = {}
     device = None  # where this rank's pieces live (its wire buffers go there too)
     for m in moves:
-        local, offset = _source_piece(m, srcs[m.src_name], me)
+        local, offset = _source_piece(m, srcs[m.src_name], me, reduced)
         local_src[id(m)] = (local, offset)
         if local is not None and device is None:
             device = local.device
@@ -346,20 +357,24 @@ def _only_described(m: _Move, spec: DTensorSpec, me: int, side: str, name: str,
             "ranks of its mesh")
 
 
-def _source_piece(m: _Move, t, me: int):
+def _source_piece(m: _Move, t, me: int, reduced: dict):
     """(this rank's piece of source ``t`` -- Partial dims reduced inside its mesh -- and its
     global offset), or (None, None) where this rank holds none of it (outside its mesh, or
-    ``t`` is only described: ``describe.describe``)."""
+    ``t`` is only described: ``describe.describe``). ``reduced`` keeps the last Partial
+    source's reduced piece, so the windows of a source split across buckets reduce it once."""
     if isinstance(t, DTensorSpec):
         _only_described(m, t, me, "source", m.src_name, any(a == me for a, _ in m.plan.pairs))
         return None, None
     local, spec = t._local_tensor, t._spec
-    reduced = reduced_source(spec)
-    if reduced is not spec:  # a Partial source: reduced inside its mesh first
-        local = redistribute_local(local, spec, reduced)
-    if reduced.mesh.get_coordinate() is None:
+    target = reduced_source(spec)
+    if target is not spec:  # a Partial source: reduced inside its mesh first
+        if m.src_name not in reduced:
+            reduced.clear()
+            reduced[m.src_name] = redistribute_local(local, spec, target)
+        local = reduced[m.src_name]
+    if target.mesh.get_coordinate() is None:
         return None, None
-    return local, reduced.local_shape_and_offset()[1]
+    return local, target.local_shape_and_offset()[1]
 
 
 def _target(m: _Move, out, me: int):
@@ -438,7 +453,7 @@ def _fingerprint(moves, options) -> int:
                 meshes[id(mesh)] = f"{mesh.device_type}{[t.tolist() for t in mesh_instances(mesh)]}"
             parts.append(f"{meshes[id(mesh)]}{spec.placements}{spec.shard_order}"
                          f"{tuple(spec.shape)}{spec.dtype}")
-        parts.append(f"{m.src_name}>{m.dst_name}@{m.region}"
+        parts.append(f"{m.src_name}>{m.dst_name}@{m.region}#{m.window}"
                      + (f"/per-rank {m.index} of {[tuple(p.shape) for p in m.parts]}"
                         if m.parts else ""))
     return zlib.crc32("|".join(parts).encode()) & 0x7FFFFFFF
@@ -471,8 +486,9 @@ def plan_relayout(src, dst, *, name_map: dict | Callable | None = None,
     each destination rank needs move. ``dtype``: the wire dtype, cast before sending (the destination tensors must have it;
     default: the source's, which must then equal the destination's). ``bucket_bytes``: the most
     bytes a rank sends (or receives) per bucket; default (None): 1/32 of the most any rank
-    sends or receives in all, within [1 MiB, 256 MiB] (``AUTO_BUCKET_FRACTION``: the extra
-    memory stays under 10% of what a rank receives).
+    sends or receives in all (for a model of fewer than 64 tensors, that traffic over half their
+    number: at most one bucket per 2 tensors), within [1 MiB, 256 MiB]
+    (``AUTO_BUCKET_FRACTION``: the extra memory stays under 10% of what a rank receives).
     """
     srcs, dsts = _tensors(src), _tensors(dst)
     fused = dict(fused or {})
@@ -540,12 +556,30 @@ def plan_relayout(src, dst, *, name_map: dict | Callable | None = None,
                 offset += sspec.shape[dim]
     if bucket_bytes is None:
         bucket_bytes = auto_bucket_bytes(moves)
+    moves = _split_large(moves, bucket_bytes)
     return RelayoutPlan(moves, _buckets(moves, bucket_bytes), bucket_bytes, dtype)
 
 
+def _split_large(moves, bucket_bytes: int) -> list:
+    """Every move whose traffic passes the bucket replaced by the moves of windows of its
+    source that each fit one (``relayout_split``), so the bucket bounds the extra memory
+    whatever the largest tensor. Moves sharing one cross-mesh plan (a model's layers) share
+    its pieces too (the dry run counts by plan)."""
+    pieces: dict = {}
+    out = []
+    for m in moves:
+        split = pieces.get(id(m.plan))
+        if split is None:
+            split = pieces[id(m.plan)] = split_plan(m.plan, bucket_bytes)
+        out += [m._replace(plan=p, window=k) for k, p in enumerate(split)] \
+            if len(split) > 1 else [m]
+    return out
+
+
 def auto_bucket_bytes(moves) -> int:
-    """The default bucket: 1/32 of the most any rank sends or receives over all ``moves``,
-    within [1 MiB, 256 MiB] (why: at ``AUTO_BUCKET_FRACTION``)."""
+    """The default bucket: the larger of 1/32 of the most any rank sends or receives over all
+    ``moves`` and that times 2 over the number of destination tensors, within [1 MiB, 256 MiB]
+    (why: at ``AUTO_BUCKET_FRACTION``)."""
     sent: dict = {}
     recv: dict = {}
     for m in moves:
@@ -554,7 +588,9 @@ def auto_bucket_bytes(moves) -> int:
             for r, n in part.items():
                 table[r] = table.get(r, 0) + n
     busiest = max([*sent.values(), *recv.values(), 0])
-    return min(max(busiest // AUTO_BUCKET_FRACTION, AUTO_BUCKET_MIN), AUTO_BUCKET_MAX)
+    tensors = max(len({m.dst_name for m in moves}), 1)
+    bucket = max(busiest // AUTO_BUCKET_FRACTION, busiest * AUTO_TENSORS_PER_BUCKET // tensors)
+    return min(max(bucket, AUTO_BUCKET_MIN), AUTO_BUCKET_MAX)
 
 
 def _buckets(moves, bucket_bytes: int) -> list:

@@ -84,6 +84,40 @@ class EngineLlama:
                                                per_rank=True)
         return out
 
+    @torch.no_grad()
+    def load_weight(self, name: str, whole: torch.Tensor) -> None:
+        """Write this TP rank's part of the example Llama's weight ``name``, given whole, into
+        the engine's buffer (what vLLM's ``weight_loader`` does: q / k / v into their rows of
+        ``qkv``, gate / up into theirs of ``gate_up``, a row- or column-sharded weight's own
+        rows or columns, a replicated one whole). The hand-written syncs use it; a rank outside
+        the engine does nothing."""
+        coord = self.mesh.get_coordinate()
+        if coord is None:
+            return
+        r = coord[0]
+        fused = {"wq": ("attention.qkv", 0, self.q_rows), "wk": ("attention.qkv", self.q_rows,
+                                                               self.kv_rows),
+                 "wv": ("attention.qkv", self.q_rows + self.kv_rows, self.kv_rows),
+                 "w1": ("feed_forward.gate_up", 0, self.ffn_rows),
+                 "w3": ("feed_forward.gate_up", self.ffn_rows, self.ffn_rows)}
+        where = fused.get(name.split(".")[-2]) if name.startswith("layers.") else None
+        if where is not None:  # layers.<i>.<attention|feed_forward>.<w>.weight
+            prefix = name.rsplit(".", 3)[0]
+            target, start, rows = where
+            self.local[f"{prefix}.{target}.weight"][start:start + rows].copy_(
+                whole[r * rows:(r + 1) * rows])
+            return
+        piece = self.local[name]
+        placement = self.layout[name][1]
+        if placement == COL:
+            cols = piece.shape[1]
+            piece.copy_(whole[:, r * cols:(r + 1) * cols])
+        elif placement == ROW:
+            rows = piece.shape[0]
+            piece.copy_(whole[r * rows:(r + 1) * rows])
+        else:
+            piece.copy_(whole)
+
     # ------------------------------------------------------------------ inference
     def _norm(self, x, name):  # the example Llama's RMSNorm, op for op
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.cfg.norm_eps) * \

@@ -12,8 +12,11 @@ The trainer trains one step, syncs, and again (``--steps``); after each sync the
 generates greedily. The engine passes what only it knows (its fused tensors, the wire dtype);
 the trainer passes nothing. ``--out DIR`` saves the trained weights (trainer rank 0), each engine
 rank's buffers and the engine's tokens per sync, for a checker (tests/test_jobs.py).
-``--die-at-sync K``: the last engine rank joins sync K and exits (what a crash mid-sync looks
-like to the trainer, which must raise within ``--timeout``).
+``--pause-mid-sync K`` (with ``--out``): in sync K every engine rank stops after its first
+bucket, writes ``engine_mid_sync_rank<r>.pid`` (its pid) there and waits to be killed: a test
+kills the engine job from outside at that point (tests/test_jobs.py), and the trainer must raise
+within ``--timeout``. ``--bucket-kb``: the bucket (the engine gives it; default: the relayout's
+rule), small enough for the example model to take several buckets.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -30,6 +34,7 @@ import torch.distributed as dist
 if __package__ in (None, ""):
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from dtensor_lite import collectives as C  # noqa: E402
 from dtensor_lite import init_device_mesh  # noqa: E402
 from dtensor_lite.debug import CommDebugMode, MemoryTracker  # noqa: E402
 from dtensor_lite.jobs import connect_jobs  # noqa: E402
@@ -54,7 +59,11 @@ def parse_args(argv=None):
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for the other job")
     ap.add_argument("--out", default=None)
-    ap.add_argument("--die-at-sync", type=int, default=-1)
+    ap.add_argument("--pause-mid-sync", type=int, default=-1, metavar="K",
+                    help="engine: stop in sync K after the first bucket, say so in --out and "
+                    "wait to be killed")
+    ap.add_argument("--bucket-kb", type=int, default=None,
+                    help="engine: the relayout's bucket in KiB (default: its own rule)")
     ap.add_argument("--metrics", default=None, metavar="DIR",
                     help="write per rank and sync a json file of bytes sent, seconds and peak "
                     "extra memory there (benchmarks/relayout.py --two-jobs)")
@@ -114,11 +123,11 @@ def engine_job(args) -> None:
     engine = EngineLlama(config(args), init_device_mesh("cpu", (world,)), dtype)
     weights = engine.weights()
     link = connect_jobs(args.engine_job, "engine", timeout=args.timeout)
-    plan = link.plan_relayout(weights, dtype=dtype, fused=engine.fused())
+    bucket = {} if args.bucket_kb is None else {"bucket_bytes": args.bucket_kb * 1024}
+    plan = link.plan_relayout(weights, dtype=dtype, fused=engine.fused(), **bucket)
     for step in range(args.steps):
-        if step == args.die_at_sync and rank == world - 1:
-            link.all_reduce_max([plan.plan.fingerprint, -plan.plan.fingerprint], "start")
-            os._exit(3)  # joined the sync, then gone: the others must not wait forever
+        if step == args.pause_mid_sync:
+            _pause_after_first_bucket(Path(args.out) / f"engine_mid_sync_rank{rank}.pid")
         measured(args, "engine", step, link, lambda: plan.run(weights))
         tokens = engine.generate(PROMPT, 8)
         if args.out:
@@ -128,6 +137,23 @@ def engine_job(args) -> None:
         if rank == 0:
             print(f"sync {step}: engine tokens {tokens[0].tolist()}", flush=True)
     link.close()
+
+
+def _pause_after_first_bucket(marker: Path) -> None:
+    """From now on, the second bucket this rank would exchange is never sent: it writes its pid
+    to ``marker`` and waits (the trainer is mid-sync, waiting for it) until it is killed."""
+    calls = []
+    exchange = C.exchange_pieces
+
+    def pausing(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            tmp = marker.with_suffix(".tmp")
+            tmp.write_text(str(os.getpid()))
+            tmp.rename(marker)  # whole or absent: the test reads it once it exists
+            threading.Event().wait()
+        return exchange(*args, **kwargs)
+    C.exchange_pieces = pausing
 
 
 def main(argv=None) -> None:

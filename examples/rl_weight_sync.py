@@ -13,6 +13,10 @@ Two separately launched jobs (the engine in vLLM's fused layout; examples/rl_two
     OMP_NUM_THREADS=1 torchrun --standalone --nproc-per-node 2 examples/rl_weight_sync.py \
         --engine-job 127.0.0.1:29600
 
+``--engine fused``: the engine is examples/rl_engine.py's, in vLLM's own fused per-rank layout
+(``[q_r; k_r; v_r]``, ``[gate_r; up_r]``: ``Concat(..., per_rank=True)``), and the by-hand syncs
+use its weight loader (``EngineLlama.load_weight``, as vLLM's ``weight_loader``).
+
 Colocated: the trainer is FSDP over all ranks, the engine two TP-2 replicas on the same ranks.
 Disjoint (``--rollout R``): the trainer is FSDP on the first ranks, the engine TP-R on the last R.
 The engine generates greedily in bf16 (``--dtype float32`` for fp32); the tokens are checked
@@ -46,6 +50,7 @@ from dtensor_lite.plan.measure_link import measure_link  # noqa: E402
 from dtensor_lite.relayout import plan_relayout  # noqa: E402
 from examples.llama import Llama, LlamaConfig, loss_fn  # noqa: E402
 from examples.llama_parallel import parallelize_llama  # noqa: E402
+from examples.rl_engine import EngineLlama  # noqa: E402
 from fsdp import fully_shard  # noqa: E402
 
 
@@ -68,6 +73,9 @@ def build(args):
         from dtensor_lite import Shard
         trainer_tensors = {n: distribute_tensor(p.detach(), trainer_mesh, [Shard(0)])
                            for n, p in trainer.named_parameters()}
+    if args.engine == "fused":  # vLLM's layout: [q_r; k_r; v_r], [gate_r; up_r] per TP rank
+        return cfg, trainer, trainer_tensors, trainer_mesh, \
+            EngineLlama(cfg, engine_mesh, args.torch_dtype), engine_mesh
     default = torch.get_default_dtype()
     torch.set_default_dtype(args.torch_dtype)  # no fp32 copy of the engine on the way
     try:
@@ -91,13 +99,23 @@ def train_steps(trainer, opt, steps, seed):
 @torch.no_grad()
 def check_weights(engine, engine_mesh, trainer_tensors, dtype):
     """Every engine weight equals the trained one cast to ``dtype``, bit for bit (gathered
-    outside the measurement: a check, not part of a sync)."""
-    for name, p in engine.named_parameters():
-        trained = trainer_tensors[name].redistribute(
-            engine_mesh, [Replicate()] * engine_mesh.ndim).to_local()
-        if engine_mesh.get_coordinate() is not None:
+    outside the measurement: a check, not part of a sync); a fused engine's buffers equal what
+    its weight loader makes of the trained weights."""
+    if isinstance(engine, EngineLlama):
+        expected = EngineLlama(engine.cfg, engine_mesh, dtype)
+    for name, t in trainer_tensors.items():
+        trained = t.redistribute(engine_mesh, [Replicate()] * engine_mesh.ndim).to_local()
+        if engine_mesh.get_coordinate() is None:
+            continue
+        if isinstance(engine, EngineLlama):
+            expected.load_weight(name, trained)
+        else:
+            p = dict(engine.named_parameters())[name]
             mine = p.full_tensor() if isinstance(p, DTensor) else p
             assert torch.equal(mine, trained.to(dtype)), name
+    if isinstance(engine, EngineLlama) and engine_mesh.get_coordinate() is not None:
+        for name, buf in engine.local.items():
+            assert torch.equal(buf, expected.local[name]), name
 
 
 @torch.no_grad()
@@ -123,24 +141,34 @@ def measured(fn, model):
     return sum(comm.get_comm_bytes().values()) + extra, seconds, mem.peak_bytes
 
 
-def sync_full_tensor(trainer_tensors, engine):
-    """By hand: each parameter whole on the trainer ranks, each engine rank keeps its piece."""
-    for name, p in engine.named_parameters():
-        whole = trainer_tensors[name].full_tensor()
+def module_loader(engine):
+    """``load(name, whole)`` for a ``parallelize_llama``d engine: its piece of ``whole``."""
+    params = dict(engine.named_parameters())
+
+    def load(name, whole):
+        p = params[name]
         if isinstance(p, DTensor):
-            p._local_tensor.copy_(distribute_tensor(whole, p.device_mesh, p.placements,
-                                                    src_data_rank=None).to_local())
+            if p.device_mesh.get_coordinate() is not None:
+                p._local_tensor.copy_(distribute_tensor(whole, p.device_mesh, p.placements,
+                                                        src_data_rank=None).to_local())
         else:
             p.data.copy_(whole)
+    return load
 
 
-def sync_rank0_broadcast(trainer_tensors, engine, engine_ranks):
+def sync_full_tensor(trainer_tensors, load):
+    """By hand: each parameter whole on the trainer ranks, each engine rank keeps its piece
+    (``load``: the engine's weight loader, casting as it copies)."""
+    for name, t in trainer_tensors.items():
+        load(name, t.full_tensor())
+
+
+def sync_rank0_broadcast(trainer_tensors, load, dtype, engine_ranks):
     """By hand: rank 0 gathers each parameter and sends it whole to every engine rank."""
     rank, sent = dist.get_rank(), 0
-    for name, p in engine.named_parameters():
-        whole = trainer_tensors[name].full_tensor() if trainer_tensors[name]._spec.mesh.\
-            get_coordinate() is not None else None
-        buf = whole.to(p.dtype) if rank == 0 else torch.empty(p.shape, dtype=p.dtype)
+    for name, t in trainer_tensors.items():
+        whole = t.full_tensor() if t._spec.mesh.get_coordinate() is not None else None
+        buf = whole.to(dtype) if rank == 0 else torch.empty(t.shape, dtype=dtype)
         for r in engine_ranks:
             if r == 0:
                 continue
@@ -150,11 +178,7 @@ def sync_rank0_broadcast(trainer_tensors, engine, engine_ranks):
             elif rank == r:
                 dist.recv(buf, 0)
         if rank in engine_ranks:
-            if isinstance(p, DTensor):
-                p._local_tensor.copy_(distribute_tensor(buf, p.device_mesh, p.placements,
-                                                        src_data_rank=None).to_local())
-            else:
-                p.data.copy_(buf)
+            load(name, buf)
     return sent
 
 
@@ -170,8 +194,16 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--ffn", type=int, default=0, help="feed-forward width (0: 2 x dim)")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"],
                     help="the engine's dtype (default %(default)s)")
+    ap.add_argument("--engine", default="modules", choices=["modules", "fused"],
+                    help="the engine: modules (the example Llama parallelize_llama'd, one "
+                    "DTensor per weight) or fused (examples/rl_engine.py: vLLM's per-rank "
+                    "[q_r; k_r; v_r] and [gate_r; up_r] buffers) (default %(default)s)")
     ap.add_argument("--bucket-mb", default="auto",
-                    help="relayout bucket per rank in MiB (default auto: the relayout's own rule)")
+                    help="relayout bucket per rank in MiB (default auto: the relayout's own "
+                    "rule); several, comma-separated: each measured, the first checked")
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="per sync, run every method this many times, interleaved; the rows "
+                    "give the median time (default %(default)s)")
     ap.add_argument("--json", default=None, metavar="FILE", help="also write the rows as JSON")
     jobs = ap.add_argument_group(
         "two separately launched jobs", "run as one side of examples/rl_two_jobs.py (its "
@@ -211,9 +243,17 @@ def run(args) -> list:
     engine_ranks = sorted({int(r) for r in engine_mesh.root_layout.flatten().tolist()}) \
         if not args.rollout else list(range(dist.get_world_size() - args.rollout,
                                             dist.get_world_size()))
-    plan = plan_relayout(trainer_tensors, engine, dtype=args.torch_dtype,
-                         bucket_bytes=None if args.bucket_mb == "auto"
-                         else int(float(args.bucket_mb) * 2**20))
+    fused = isinstance(engine, EngineLlama)
+    engine_tensors = engine.weights() if fused else engine  # DTensors over its own buffers
+    load = engine.load_weight if fused else module_loader(engine)  # the by-hand syncs'
+    tracked = torch.nn.Module() if fused else engine  # MemoryTracker's model (names storages)
+    buckets = args.bucket_mb.split(",")  # the first is "relayout"; others are compared with it
+    plans = {("relayout" if k == 0 else f"relayout {b} MiB"): plan_relayout(
+        trainer_tensors, engine_tensors, dtype=args.torch_dtype,
+        fused=engine.fused() if fused else None,
+        bucket_bytes=None if b == "auto" else int(float(b) * 2**20))
+        for k, b in enumerate(buckets)}
+    plan = plans["relayout"]
     if rank == 0:
         print(plan.report().splitlines()[0])
         print(plan.report().splitlines()[-1])
@@ -230,14 +270,24 @@ def run(args) -> list:
     for sync in range(args.syncs):
         if in_trainer:
             train_steps(trainer, opt, args.sync_every, seed=sync)
-        results = {"relayout": measured(lambda: plan.run(trainer_tensors, engine), engine)}
-        ours = generate(engine, prompt, 8) if engine_mesh.get_coordinate() is not None else None
-        check_weights(engine, engine_mesh, trainer_tensors, args.torch_dtype)
-        if not args.rollout:
-            results["full_tensor"] = measured(lambda: sync_full_tensor(trainer_tensors, engine),
-                                              engine)
-        results["rank0_broadcast"] = measured(
-            lambda: sync_rank0_broadcast(trainer_tensors, engine, engine_ranks), engine)
+        results: dict = {name: [] for name in [*plans, "full_tensor", "rank0_broadcast"]}
+        if args.rollout:
+            del results["full_tensor"]  # the engine ranks hold no trainer pieces to gather
+        for rep in range(args.repeats):  # the methods interleaved: load hits them alike
+            for name, p in reversed(plans.items()):  # "relayout" last: its result is checked
+                results[name].append(measured(lambda: p.run(trainer_tensors, engine_tensors),
+                                              tracked))
+            if rep == 0:
+                ours = None
+                if engine_mesh.get_coordinate() is not None:
+                    ours = engine.generate(prompt, 8) if fused else generate(engine, prompt, 8)
+                check_weights(engine, engine_mesh, trainer_tensors, args.torch_dtype)
+            if not args.rollout:
+                results["full_tensor"].append(measured(
+                    lambda: sync_full_tensor(trainer_tensors, load), tracked))
+            results["rank0_broadcast"].append(measured(
+                lambda: sync_rank0_broadcast(trainer_tensors, load, args.torch_dtype,
+                                             engine_ranks), tracked))
         # the oracle: one process with the trained weights (gathered outside the measurement)
         full = {n: (t.full_tensor() if t._spec.mesh.get_coordinate() is not None else None)
                 for n, t in trainer_tensors.items()}
@@ -258,12 +308,16 @@ def run(args) -> list:
                       f"{'==' if same else 'vs'} one process's {expected[0]} (bf16)")
             del oracle
             for name in results:
-                sent = [e["results"][name][0] for e in everyone]
-                secs = max(e["results"][name][1] for e in everyone)
-                peak = [e["results"][name][2] for e in everyone]
+                sent = [e["results"][name][0][0] for e in everyone]
+                # per repeat the slowest rank's time; the row: their median
+                times = sorted(max(e["results"][name][k][1] for e in everyone)
+                               for k in range(args.repeats))
+                secs = times[len(times) // 2]
+                peak = [max(m[2] for m in e["results"][name]) for e in everyone]
                 row = {"sync": sync, "method": name, "busiest_rank_bytes": max(sent),
-                       "seconds": secs, "peak_extra_bytes_max": max(peak),
-                       "bytes_per_rank": sent, "peak_per_rank": peak}
+                       "seconds": secs, "seconds_per_repeat": times,
+                       "peak_extra_bytes_max": max(peak), "bytes_per_rank": sent,
+                       "peak_per_rank": peak}
                 if name == "relayout":
                     row.update(planned_busiest_rank_bytes=planned_busiest,
                                estimated_seconds=estimated,

@@ -3,8 +3,9 @@ processes and an engine job of 2, each launched by its own ``torchrun`` subproce
 (examples/rl_weight_sync.py ``--trainer-job`` / ``--engine-job``), joined through a rendezvous
 address. After each of 3 training steps the engine's fused buffers ([q_r; k_r; v_r],
 [gate_r; up_r] per TP rank) equal the trained weights' pieces bit for bit (bf16), and in fp32
-its greedy tokens equal one process's with the trained weights. An engine rank that dies mid-sync
-makes the trainer raise within the bound, naming the engine job; two jobs built for different
+its greedy tokens equal one process's with the trained weights. The engine job killed from
+outside (SIGKILL, every process) mid-sync makes the trainer raise within the bound, naming the
+engine job, and leaves no process; two jobs built for different
 models both raise a clear error; a trainer whose engine never comes raises naming it."""
 from __future__ import annotations
 
@@ -109,19 +110,72 @@ def test_trainer_job_4_syncs_engine_job_2_after_each_of_3_steps(tmp_path, dtype)
             assert got == tokens[:, PROMPT.shape[1]:].tolist(), step
 
 
-def test_engine_dying_mid_sync_makes_the_trainer_raise_within_the_bound(tmp_path):
+def _job_processes(pid: int) -> list[int]:
+    """``pid`` (a torchrun) and every process under it (its workers), from /proc."""
+    parent = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            parent[int(entry)] = int(stat.rsplit(")", 1)[1].split()[1])
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo += [c for c, pp in parent.items() if pp == p]
+    return tree
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_engine_job_killed_mid_sync_makes_the_trainer_raise_within_the_bound(tmp_path):
+    """The engine job (2 processes, its own torchrun and session) pauses in its second sync
+    after one bucket (a 16 KiB bucket: the sync takes several) and says so in a file per rank;
+    the test then SIGKILLs every process of that job from outside. The trainer job (2
+    processes: what this shows needs no more) raises JobLinkError naming the engine job within
+    the bound, and no process of either job is left."""
     address = f"127.0.0.1:{_free_port()}"
-    trainer = _launch("--trainer-job", 4, address, tmp_path)
-    engine = _launch("--engine-job", 2, address, tmp_path, "--die-at-sync", "1")
-    rc_e, out_e, _ = _finish(engine, 600)
-    died_at = time.monotonic()
-    rc_t, out_t, _ = _finish(trainer, BOUND + 60)
-    after = time.monotonic() - died_at
-    print(f"the trainer job ended {after:.1f} s after the engine job")
-    assert rc_t != 0 and rc_e != 0
-    assert after < BOUND + 60
-    assert "JobLinkError" in out_t and "the engine job (joint ranks 4-5)" in out_t, out_t[-3000:]
+    trainer = _launch("--trainer-job", 2, address, tmp_path)
+    engine = _launch("--engine-job", 2, address, tmp_path, "--pause-mid-sync", "1",
+                     "--bucket-kb", "16")
+    markers = [tmp_path / f"engine_mid_sync_rank{r}.pid" for r in range(2)]
+    deadline = time.monotonic() + 600
+    while not all(m.exists() for m in markers):  # both engine ranks are mid-sync
+        for name, job in (("trainer", trainer), ("engine", engine)):
+            if job.poll() is not None:
+                pytest.fail(f"the {name} job ended before the engine was mid-sync:\n"
+                            f"{job.communicate()[0][-3000:]}")
+        if time.monotonic() > deadline:
+            for job in (trainer, engine):
+                for pid in _job_processes(job.pid):
+                    os.kill(pid, signal.SIGKILL)
+            pytest.fail("the engine was not mid-sync within 600 s")
+        time.sleep(0.05)  # polling a file: how often, not how long, it waits
     assert (tmp_path / "trained_0.pt").exists() and not (tmp_path / "trained_1.pt").exists()
+    engine_job = _job_processes(engine.pid)
+    assert {int(m.read_text()) for m in markers} <= set(engine_job)
+    trainer_job = _job_processes(trainer.pid)
+    killed_at = time.monotonic()
+    for pid in engine_job:
+        os.kill(pid, signal.SIGKILL)
+    rc_t, out_t, _ = _finish(trainer, BOUND + 60)
+    after = time.monotonic() - killed_at
+    engine.wait()
+    print(f"the trainer job ended {after:.1f} s after the engine job was killed:\n"
+          + "\n".join(line for line in out_t.splitlines() if "JobLinkError" in line)[:1500])
+    assert rc_t != 0
+    assert "JobLinkError" in out_t and "the engine job (joint ranks 2-3) died" in out_t, \
+        out_t[-3000:]
+    assert after < BOUND + 60
+    left = [pid for pid in engine_job + trainer_job if _alive(pid)]
+    assert not left, f"processes left: {left}"
 
 
 def test_jobs_built_for_different_models_both_raise(tmp_path):

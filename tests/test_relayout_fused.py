@@ -6,10 +6,13 @@ source layouts (uneven and empty pieces), 1-D and 2-D engine meshes colocated wi
 or overlapping the trainer's: every engine rank's fused buffer equals the concatenation of its
 pieces of the sources under the engine's placements (``distribute_tensor``'s pieces: the
 oracle), written into the same storage; the bytes sent are the minimum (every needed element a
-rank does not hold crosses once). Named cases: GQA into TP-2 replicas sliced from a 2-D mesh, the
-errors (a missing source, sizes that do not add up, an ambiguous ``Concat``, per-rank sizes that
-do not split)."""
+rank does not hold crosses once); with buckets down to one element, tensors many times the
+bucket are split across buckets, each bucket's wire buffers stay within it and the most held at
+once is the plan's ``peak_extra_bytes`` (<= 3 buckets). Named cases: GQA into TP-2 replicas
+sliced from a 2-D mesh, the errors (a missing source, sizes that do not add up, an ambiguous
+``Concat``, per-rank sizes that do not split)."""
 
+import contextlib
 import math
 
 import pytest
@@ -18,6 +21,7 @@ import torch.distributed as dist
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from dtensor_lite import DeviceMesh, Replicate, Shard, distribute_tensor, init_device_mesh
+from dtensor_lite import collectives
 from dtensor_lite.debug import CommDebugMode
 from dtensor_lite.relayout import Concat, plan_relayout
 from tests.harness import distributed, run_distributed
@@ -26,6 +30,35 @@ from tests.test_cross_mesh import check_minimum_bytes
 
 def _placement(spec):
     return Shard(spec[1]) if spec[0] == "S" else Replicate()
+
+
+@contextlib.contextmanager
+def wire_buffers():
+    """[(bytes sent, bytes received)] of this rank's wire buffers, one entry per exchange (per
+    bucket), as the relayout really allocates them."""
+    seen, real = [], collectives.exchange_pieces
+
+    def recording(sends, recvs, *args, **kwargs):
+        seen.append((sum(t.numel() * t.element_size() for t in sends.values()),
+                     sum(n * torch.empty(0, dtype=d).element_size() for n, d in recvs.values())))
+        return real(sends, recvs, *args, **kwargs)
+    collectives.exchange_pieces = recording
+    try:
+        yield seen
+    finally:
+        collectives.exchange_pieces = real
+
+
+def check_bucket_bound(plan, seen, rank):
+    """Every bucket's wire buffers within ``bucket_bytes`` each way, and the most held at once
+    (bucket k's receive buffers beside k+1's send and receive buffers) exactly the plan's
+    ``peak_extra_bytes`` -- at most 3 buckets."""
+    assert len(seen) == len(plan.buckets)
+    held, prev = 0, 0
+    for sent, recv in seen:
+        assert sent <= plan.bucket_bytes and recv <= plan.bucket_bytes, (sent, recv)
+        held, prev = max(held, prev + sent + recv), recv
+    assert held == plan.peak_extra_bytes().get(rank, 0) <= 3 * plan.bucket_bytes
 
 
 def fused_body(src_ranks, src_shape, src_pls, dst_ranks, dst_shape, dst_pl, sizes, cols,
@@ -44,8 +77,9 @@ def fused_body(src_ranks, src_shape, src_pls, dst_ranks, dst_shape, dst_pl, size
     buffer = fused._local_tensor  # the engine's own buffer
     plan = plan_relayout(srcs, {"fused": fused}, bucket_bytes=bucket,
                          fused={"fused": Concat(names, dim=0, per_rank=True)})
-    with CommDebugMode() as comm:
+    with CommDebugMode() as comm, wire_buffers() as seen:
         plan.run(srcs, {"fused": fused})
+    check_bucket_bound(plan, seen, rank)
     sent = comm.get_comm_bytes().get("cross_mesh", 0)
     assert sent == plan.bytes_sent().get(rank, 0)
     assert fused._local_tensor is buffer
@@ -103,7 +137,8 @@ def fused_cases(draw, world=4):
     cols = draw(st.integers(1, 5))
     src_pls = [[draw(st.sampled_from([("S", 0), ("S", 1), ("R",)])) for _ in src_shape]
                for _ in range(k)]
-    bucket = draw(st.sampled_from([8, 64, 1 << 20]))
+    # one element (fp64), a few: tensors many times the bucket are split across buckets
+    bucket = draw(st.sampled_from([8, 24, 64, 1 << 20]))
     return (list(src_ranks), src_shape, src_pls, list(dst_ranks), dst_shape, dst_pl, sizes,
             cols, bucket, draw(st.integers(0, 2**16)))
 
