@@ -94,6 +94,18 @@ class _PendingAllGather:
         self.world, self.from_post_forward = world, from_post_forward
 
 
+def _even_grad_rows(params, grads, world: int, dtype: torch.dtype):
+    """``(world, padded numel)`` views of ``grads`` when each is exactly its rows of the
+    reduce-scatter input (dim-0 shards without padding, contiguous, the bucket's dtype), so one
+    ``torch.cat`` packs them all; else None (the per-parameter packing pads and moves dims)."""
+    rows = []
+    for p, g in zip(params, grads):
+        if g is None or not p.rows_even or g.dtype != dtype or not g.is_contiguous():
+            return None
+        rows.append(g.view(world, -1))
+    return rows
+
+
 class PendingReduce:
     """A reduce-scatter in flight: finished (waited, divided, written) by
     ``ParamGroup.finish_reduce``. It holds the reduce-scatter input and output (the only
@@ -202,19 +214,28 @@ class ParamGroup:
                 # needs no separate input buffer
                 out = torch.empty(layout.chunk * world, dtype=layout.dtype, device=self.device)
                 inp = out.narrow(0, info.shard_rank * layout.chunk, layout.chunk)
-                for per_param, views in zip(inputs, layout.inputs(inp)):
-                    for (t, _), view in zip(per_param, views):
-                        n = t.numel()
-                        if n < view.numel():  # a short (uneven) shard: zero its padding
-                            view[n:].zero_()
-                            view = view[:n]
-                        view.copy_(t, non_blocking=True)
+                flat = [t for per_param in inputs for t, _ in per_param]
+                if not layout.mixed and sum(t.numel() for t in flat) == layout.chunk:
+                    # no padding anywhere: the inputs back to back are the chunk (one op)
+                    torch.cat(flat, out=inp)
+                else:
+                    self._copy_in(inputs, layout, inp)
                 work = None
                 if world > 1 and layout.chunk:
                     with comm_cause("fsdp.all_gather"):
                         work = C.flat_all_gather(out, inp, info.mesh, info.shard_dim,
                                                  async_op=True)
             self.pending_ag = _PendingAllGather(work, inp, out, layout, world, False)
+
+    @staticmethod
+    def _copy_in(inputs, layout: _Layout, inp: torch.Tensor):
+        for per_param, views in zip(inputs, layout.inputs(inp)):
+            for (t, _), view in zip(per_param, views):
+                n = t.numel()
+                if n < view.numel():  # a short (uneven) shard: zero its padding
+                    view[n:].zero_()
+                    view = view[:n]
+                view.copy_(t, non_blocking=True)
 
     def wait_unshard(self, keep_post_forward_piece: bool = False):
         pending = self.pending_ag
@@ -237,8 +258,10 @@ class ParamGroup:
                 self.post_forward_buf = pending.out[j * size:(j + 1) * size].clone()
                 self._post_forward_layout = pending.layout
                 self._post_forward_n_at_reshard = n
-            for p, segments in zip(self.params, pending.layout.outputs(pending.out, pending.world)):
-                p.copy_out(segments, pending.world, p.mp_policy.param_dtype)
+            if not self._copy_out_fused(pending):
+                for p, segments in zip(self.params,
+                                       pending.layout.outputs(pending.out, pending.world)):
+                    p.copy_out(segments, pending.world, p.mp_policy.param_dtype)
             # copied out; an extension's fsdp_post_all_gather may have kept views of it instead
             if pending.work is not None and not any(p.shares_storage(pending.out)
                                                     for p in self.params):
@@ -247,6 +270,20 @@ class ParamGroup:
         # unsharded <=> modules show unsharded tensors (a forward use replaces these with
         # autograd-tracked ones)
         self.publish(self.unsharded_aliases())
+
+    def _copy_out_fused(self, pending: _PendingAllGather) -> bool:
+        """Copy the gathered buffer into every parameter with ONE ``split_with_sizes_copy``
+        (one op instead of a few per parameter: the copy-out was the largest Python cost of a
+        step) where each parameter's rows are its buffer segments unchanged: one dtype, no
+        extension, dim-0 shards without padding. Whether it could."""
+        layout = pending.layout
+        if layout.mixed or not all(p.rows_even and not p.by_extension for p in self.params):
+            return False
+        world = pending.world
+        dsts = [p.ready_raw(layout.dtype).view(world, -1) for p in self.params]
+        torch.split_with_sizes_copy(pending.out.view(world, layout.chunk), layout.sizes, dim=1,
+                                    out=dsts)
+        return True
 
     def unshard(self, keep_post_forward_piece: bool = False):
         self.start_unshard()
@@ -325,9 +362,13 @@ class ParamGroup:
                     pos += p.padded_numel
                 inp = torch.empty(world * pos, dtype=dtype, device=self.device)
                 inp2d = inp.view(world, pos)
-                for p, k, off in zip(params, ks, offsets):
-                    n = p.padded_numel
-                    p.pack_grad(grads[k], inp2d[:, off:off + n])
+                rows = _even_grad_rows(params, [grads[k] for k in ks], world, dtype)
+                if rows is not None:  # one op packs the bucket (see _even_grad_rows)
+                    torch.cat(rows, dim=1, out=inp2d)
+                else:
+                    for p, k, off in zip(params, ks, offsets):
+                        n = p.padded_numel
+                        p.pack_grad(grads[k], inp2d[:, off:off + n])
                 out = torch.empty(pos, dtype=dtype, device=self.device)
                 if world > 1 and pos:
                     with comm_cause("fsdp.reduce_scatter"):
