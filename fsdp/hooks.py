@@ -6,6 +6,7 @@ Timeline of one training step for a group G (not the root)::
                   publish G's unsharded tensors on its modules through ``_Unsharded``
     post-forward  reshard G (unless reshard_after_forward=False / root), hook G's outputs
     pre-backward  (hook on an output's gradient) unshard G again, prefetch the previous group
+                  (CUDA; on CPU from the post-backward: ``Streams.prefetch_at_pre_backward``)
     post-backward (``_Unsharded.backward``: all gradients of this use are in) when it was the
                   last pending use: reshard G, finish the previous group's reduction, pack
                   G's gradients and issue their reduce-scatter (state.RootContext.finish_group)
