@@ -40,7 +40,8 @@ from ._desync import exchange_sites, issued, plain_name
 from .debug_state import CHECKING, COMM_SINKS, TIMERS, CommFlight, record
 
 __all__ = ["all_gather", "reduce_scatter", "all_reduce", "all_to_all", "broadcast", "scatter",
-           "broadcast_object", "all_reduce_cost", "flat_all_gather", "flat_reduce_scatter",
+           "broadcast_object", "all_reduce_cost", "flat_all_gather", "all_gather_pieces",
+           "flat_reduce_scatter",
            "all_to_all_single", "send_recv", "exchange_pieces", "all_reduce_max_over", "Pending",
            "then", "free_now"]
 
@@ -644,6 +645,23 @@ def flat_all_gather(out: torch.Tensor, inp: torch.Tensor, mesh, mesh_dim: int, a
     return _launch("all_gather", work, lambda: None, async_op)
 
 
+def all_gather_pieces(pieces: list[torch.Tensor], mesh, mesh_dim: int, async_op=False):
+    """``flat_all_gather`` into one buffer per rank (mesh order): this rank's piece is its
+    input, the others are written. FSDP gathers so on CPU: the piece it sent can then be freed
+    before the unsharded parameters are allocated, so the copy-out holds the received pieces
+    beside them, not the whole buffer (on gloo: one in-place broadcast per piece, as
+    ``flat_all_gather``; elsewhere c10d's list all-gather)."""
+    dg = mesh.dim_group(mesh_dim)
+    inp = pieces[dg.coordinate]
+    if _copies_whole_buffer(inp, dg.group):
+        work = _issue(_broadcast_pieces, pieces, inp, group=dg.group)
+    else:
+        work = _issue(dist.all_gather, pieces, inp, group=dg.group)
+    _report("all_gather", (dg.size - 1) * inp.numel() * inp.element_size(), dg.size, mesh,
+            mesh_dim)
+    return _launch("all_gather", work, lambda: None, async_op)
+
+
 def flat_reduce_scatter(out: torch.Tensor, inp: torch.Tensor, mesh, mesh_dim: int,
                         reduce_op: str = "sum", async_op=False):
     """FSDP's batched reduce-scatter of a flat gradient buffer (sum; callers pre/post-divide).
@@ -692,6 +710,15 @@ def _broadcast_slots(out: torch.Tensor, inp: torch.Tensor, group, async_op=True)
     slots = [out.narrow(0, k * size, size) for k in range(n)]
     return _Works([dist.broadcast(slot, group=group, group_src=k, async_op=True)
                    for k, slot in enumerate(slots)], buffers=slots)
+
+
+def _broadcast_pieces(pieces: list[torch.Tensor], inp: torch.Tensor, group, async_op=True):
+    """``_broadcast_slots`` with one buffer per rank (``inp``: this rank's, given apart so the
+    issue holds a private alias of it like any input)."""
+    me = dist.get_rank(group)
+    pieces = [inp if k == me else piece for k, piece in enumerate(pieces)]
+    return _Works([dist.broadcast(piece, group=group, group_src=k, async_op=True)
+                   for k, piece in enumerate(pieces)], buffers=pieces)
 
 
 def _check_splits(name: str, splits, n: int, rows: int | None):

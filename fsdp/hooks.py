@@ -6,6 +6,7 @@ Timeline of one training step for a group G (not the root)::
                   publish G's unsharded tensors on its modules through ``_Unsharded``
     post-forward  reshard G (unless reshard_after_forward=False / root), hook G's outputs
     pre-backward  (hook on an output's gradient) unshard G again, prefetch the previous group
+                  (CUDA; on CPU from the post-backward: ``Streams.prefetch_at_pre_backward``)
     post-backward (``_Unsharded.backward``: all gradients of this use are in) when it was the
                   last pending use: reshard G, finish the previous group's reduction, pack
                   G's gradients and issue their reduce-scatter (state.RootContext.finish_group)
@@ -79,10 +80,13 @@ def _post_backward(group, grads):
     ctx.on_backward()
     group.accumulate(grads)
     group.uses_pending = max(group.uses_pending - 1, 0)
+    state = group.modules[0].__dict__["_fsdp_state"]
     if group.uses_pending == 0:
         ctx.finish_group(group)
+        if not group.streams.prefetch_at_pre_backward:
+            _prefetch_backward_once(state)
     if OBSERVERS:
-        notify("post_backward", group.modules[0].__dict__["_fsdp_state"])
+        notify("post_backward", state)
 
 
 def _publish_for_forward(group, counted: bool = True):
@@ -258,9 +262,8 @@ class _PreBackward:
             # module (backward runs with grad off)
             with torch.enable_grad():
                 _publish_for_forward(group, counted=False)
-        if not group.prefetched_in_backward:
-            group.prefetched_in_backward = True
-            _prefetch_backward(state, state.ctx)
+        if group.streams.prefetch_at_pre_backward:
+            _prefetch_backward_once(state)
         if OBSERVERS:
             notify("pre_backward", state)
         return None
@@ -290,6 +293,16 @@ def _prefetch_forward(state: FSDPState, ctx):
     prev = ctx.prev_forward_order
     if pos + 1 < len(prev) and prev[pos] is state.group and prev[pos + 1] is not state.group:
         _prefetch([prev[pos + 1]])
+
+
+def _prefetch_backward_once(state: FSDPState):
+    """Backward prefetch, once per group and backward: from its pre-backward where the
+    collective overlaps the group's backward for real (CUDA), else from its post-backward
+    (``Streams.prefetch_at_pre_backward`` says why)."""
+    group = state.group
+    if not group.prefetched_in_backward:
+        group.prefetched_in_backward = True
+        _prefetch_backward(state, state.ctx)
 
 
 def _prefetch_backward(state: FSDPState, ctx):

@@ -54,6 +54,7 @@ class FSDPParam:
         self.inner_tensors: list[torch.Tensor] = []       # extension tensors whose storage is freed too
         self._inner_nbytes: list[int] = []
         self._ext_meta = None                       # fsdp_pre_all_gather metadata
+        self.by_extension = False                   # the last all-gather went through one
         self._ext_shapes: list[torch.Size] = []
         # a DTensor parameter (tensor parallelism): FSDP shards this rank's TP piece further and
         # hands modules the gathered piece as a DTensor with the TP layout again
@@ -156,6 +157,10 @@ class FSDPParam:
         self.chunk_rows = -(-self.rows // world)
         self.padded_numel = self.chunk_rows * self.row_numel  # one rank's piece, padded
         self.local_rows = chunk_range(self.rows, world, self.mesh_info.shard_rank)[1]
+        # every rank's piece is whole (no padding) and dim 0 is sharded: the unsharded tensor
+        # viewed as (world, padded numel) is exactly the rows of the flat buffers, so a group of
+        # such parameters is copied out / packed by one op (ParamGroup's fused paths)
+        self.rows_even = self.shard_dim == 0 and self.rows == world * self.chunk_rows
 
     @property
     def requires_grad(self) -> bool:
@@ -181,7 +186,8 @@ class FSDPParam:
         world = self.mesh_info.shard_size
         if self.offload and local.device != self.device:
             local = local.to(self.device, non_blocking=True)
-        if hasattr(local, "fsdp_pre_all_gather"):
+        self.by_extension = hasattr(local, "fsdp_pre_all_gather")
+        if self.by_extension:
             if not hasattr(local, "fsdp_post_all_gather"):
                 raise TypeError(f"parameter {self.fqn}: its tensor type {type(local).__name__} "
                                 "defines fsdp_pre_all_gather but not fsdp_post_all_gather; define "
@@ -220,15 +226,19 @@ class FSDPParam:
         local = self.local_tensor()
         if hasattr(local, "fsdp_post_all_gather"):
             return self._copy_out_extension(local, gathered, world, param_dtype)
-        dtype = self.all_gather_dtype(param_dtype)
+        raw = self.ready_raw(self.all_gather_dtype(param_dtype))
+        chunk = self.chunk_rows
+        src = gathered[0].unflatten(1, (chunk,) + self.moved_rest)      # (world, chunk, *rest)
+        dst = raw.movedim(self.shard_dim, 0) if self.shard_dim else raw
+        _rows_from_chunks(dst, src, self.rows, chunk)
+
+    def ready_raw(self, dtype: torch.dtype) -> torch.Tensor:
+        """``raw`` in ``dtype`` with its storage allocated (contents undefined until copied out)."""
         if self.raw is None or self.raw.dtype != dtype or self.raw.shape != self.shape:
             self.raw = torch.empty(self.shape, dtype=dtype, device=self.device)
             self._raw_nbytes = self.raw.untyped_storage().nbytes()
         self.alloc()
-        chunk = self.chunk_rows
-        src = gathered[0].unflatten(1, (chunk,) + self.moved_rest)      # (world, chunk, *rest)
-        dst = self.raw.movedim(self.shard_dim, 0) if self.shard_dim else self.raw
-        _rows_from_chunks(dst, src, self.rows, chunk)
+        return self.raw
 
     def _copy_out_extension(self, local, gathered, world, param_dtype):
         dtype = param_dtype if param_dtype is not None else self.dtype

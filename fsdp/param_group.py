@@ -87,11 +87,29 @@ class _Layout:
 
 
 class _PendingAllGather:
-    __slots__ = ("work", "inp", "out", "layout", "world", "from_post_forward")
+    """An all-gather in flight. ``out``: the gathered flat buffer, or None when it was gathered
+    into ``pieces``, one buffer per rank (``ParamGroup._gathers_in_pieces``)."""
+    __slots__ = ("work", "inp", "out", "layout", "world", "from_post_forward", "pieces")
 
-    def __init__(self, work, inp, out, layout, world, from_post_forward):
+    def __init__(self, work, inp, out, layout, world, from_post_forward, pieces=None):
         self.work, self.inp, self.out, self.layout = work, inp, out, layout
         self.world, self.from_post_forward = world, from_post_forward
+        self.pieces = pieces
+
+    def buffers(self) -> list[torch.Tensor]:
+        return list(self.pieces) if self.pieces is not None else [self.out]
+
+
+def _even_grad_rows(params, grads, world: int, dtype: torch.dtype):
+    """``(world, padded numel)`` views of ``grads`` when each is exactly its rows of the
+    reduce-scatter input (dim-0 shards without padding, contiguous, the bucket's dtype), so one
+    ``torch.cat`` packs them all; else None (the per-parameter packing pads and moves dims)."""
+    rows = []
+    for p, g in zip(params, grads):
+        if g is None or not p.rows_even or g.dtype != dtype or not g.is_contiguous():
+            return None
+        rows.append(g.view(world, -1))
+    return rows
 
 
 class PendingReduce:
@@ -198,23 +216,75 @@ class ParamGroup:
                           for p in self.params]
                 layout = _Layout([[(numel, t.dtype) for t, numel in per_param]
                                   for per_param in inputs])
+                if self._gathers_in_pieces(layout, world):
+                    self.pending_ag = self._start_gather_pieces(inputs, layout, world)
+                    return
                 # in place: this rank's input is its own slot of the output, so the all-gather
                 # needs no separate input buffer
                 out = torch.empty(layout.chunk * world, dtype=layout.dtype, device=self.device)
                 inp = out.narrow(0, info.shard_rank * layout.chunk, layout.chunk)
-                for per_param, views in zip(inputs, layout.inputs(inp)):
-                    for (t, _), view in zip(per_param, views):
-                        n = t.numel()
-                        if n < view.numel():  # a short (uneven) shard: zero its padding
-                            view[n:].zero_()
-                            view = view[:n]
-                        view.copy_(t, non_blocking=True)
+                flat = [t for per_param in inputs for t, _ in per_param]
+                if not layout.mixed and sum(t.numel() for t in flat) == layout.chunk:
+                    # no padding anywhere: the inputs back to back are the chunk (one op)
+                    torch.cat(flat, out=inp)
+                else:
+                    self._copy_in(inputs, layout, inp)
                 work = None
                 if world > 1 and layout.chunk:
                     with comm_cause("fsdp.all_gather"):
                         work = C.flat_all_gather(out, inp, info.mesh, info.shard_dim,
                                                  async_op=True)
             self.pending_ag = _PendingAllGather(work, inp, out, layout, world, False)
+
+    def _fused(self, layout: _Layout) -> bool:
+        """Whether each parameter's rows are its buffer segments unchanged (one dtype, no
+        extension, dim-0 shards without padding): then one op copies the group in or out."""
+        return not layout.mixed and all(p.rows_even and not p.by_extension for p in self.params)
+
+    def _gathers_in_pieces(self, layout: _Layout, world: int) -> bool:
+        """Gather into one buffer per rank instead of one flat buffer: the piece this rank sent
+        is then freed before the unsharded parameters are allocated, and its rows come from the
+        shards themselves -- the copy-out holds (world-1)/world of the buffer beside the
+        parameters instead of all of it, one block less at the step's peak (the first block's
+        backward; benchmarks/memory.py). CPU only: on CUDA the caching allocator reuses the
+        buffer anyway, and NCCL's list all-gather would copy through a flat one. Not for groups
+        that keep a post-forward N-way piece of the flat buffer."""
+        return (not self.streams.is_cuda and world > 1 and layout.chunk > 0
+                and self.post_forward_n() is None and self._fused(layout))
+
+    def _start_gather_pieces(self, inputs, layout: _Layout, world: int) -> _PendingAllGather:
+        info = self.mesh_info
+        pieces = [torch.empty(layout.chunk, dtype=layout.dtype, device=self.device)
+                  for _ in range(world)]
+        inp = pieces[info.shard_rank]
+        torch.cat([t for per_param in inputs for t, _ in per_param], out=inp)
+        with comm_cause("fsdp.all_gather"):
+            work = C.all_gather_pieces(pieces, info.mesh, info.shard_dim, async_op=True)
+        return _PendingAllGather(work, inp, None, layout, world, False, pieces)
+
+    def _copy_out_pieces(self, pending: _PendingAllGather):
+        """Fill the unsharded parameters from the gathered pieces: first free this rank's own
+        piece (its rows are copied from the shards, cast as the copy-in cast them), then each
+        other piece with one ``split_with_sizes_copy``, released right after."""
+        me, world, layout = self.mesh_info.shard_rank, pending.world, pending.layout
+        self.streams.release(pending.inp)
+        rows = [p.ready_raw(layout.dtype).view(world, -1) for p in self.params]
+        for p, r in zip(self.params, rows):
+            r[me].copy_(p.local_tensor().reshape(-1))
+        for k, piece in enumerate(pending.pieces):
+            if k != me:
+                torch.split_with_sizes_copy(piece, layout.sizes, out=[r[k] for r in rows])
+                self.streams.release(piece)
+
+    @staticmethod
+    def _copy_in(inputs, layout: _Layout, inp: torch.Tensor):
+        for per_param, views in zip(inputs, layout.inputs(inp)):
+            for (t, _), view in zip(per_param, views):
+                n = t.numel()
+                if n < view.numel():  # a short (uneven) shard: zero its padding
+                    view[n:].zero_()
+                    view = view[:n]
+                view.copy_(t, non_blocking=True)
 
     def wait_unshard(self, keep_post_forward_piece: bool = False):
         pending = self.pending_ag
@@ -237,16 +307,31 @@ class ParamGroup:
                 self.post_forward_buf = pending.out[j * size:(j + 1) * size].clone()
                 self._post_forward_layout = pending.layout
                 self._post_forward_n_at_reshard = n
-            for p, segments in zip(self.params, pending.layout.outputs(pending.out, pending.world)):
-                p.copy_out(segments, pending.world, p.mp_policy.param_dtype)
+            if pending.pieces is not None:
+                self._copy_out_pieces(pending)
+            elif self._fused(pending.layout):
+                self._copy_out_fused(pending)
+            else:
+                for p, segments in zip(self.params,
+                                       pending.layout.outputs(pending.out, pending.world)):
+                    p.copy_out(segments, pending.world, p.mp_policy.param_dtype)
             # copied out; an extension's fsdp_post_all_gather may have kept views of it instead
-            if pending.work is not None and not any(p.shares_storage(pending.out)
-                                                    for p in self.params):
+            if pending.out is not None and pending.work is not None and \
+                    not any(p.shares_storage(pending.out) for p in self.params):
                 self.streams.release(pending.out)
         self.state = ShardState.UNSHARDED
         # unsharded <=> modules show unsharded tensors (a forward use replaces these with
         # autograd-tracked ones)
         self.publish(self.unsharded_aliases())
+
+    def _copy_out_fused(self, pending: _PendingAllGather):
+        """Copy the gathered buffer into every parameter with ONE ``split_with_sizes_copy``
+        (one op instead of a few per parameter: the copy-out was the largest Python cost of a
+        step); for ``_fused`` groups."""
+        layout, world = pending.layout, pending.world
+        dsts = [p.ready_raw(layout.dtype).view(world, -1) for p in self.params]
+        torch.split_with_sizes_copy(pending.out.view(world, layout.chunk), layout.sizes, dim=1,
+                                    out=dsts)
 
     def unshard(self, keep_post_forward_piece: bool = False):
         self.start_unshard()
@@ -325,9 +410,13 @@ class ParamGroup:
                     pos += p.padded_numel
                 inp = torch.empty(world * pos, dtype=dtype, device=self.device)
                 inp2d = inp.view(world, pos)
-                for p, k, off in zip(params, ks, offsets):
-                    n = p.padded_numel
-                    p.pack_grad(grads[k], inp2d[:, off:off + n])
+                rows = _even_grad_rows(params, [grads[k] for k in ks], world, dtype)
+                if rows is not None:  # one op packs the bucket (see _even_grad_rows)
+                    torch.cat(rows, dim=1, out=inp2d)
+                else:
+                    for p, k, off in zip(params, ks, offsets):
+                        n = p.padded_numel
+                        p.pack_grad(grads[k], inp2d[:, off:off + n])
                 out = torch.empty(pos, dtype=dtype, device=self.device)
                 if world > 1 and pos:
                     with comm_cause("fsdp.reduce_scatter"):

@@ -104,7 +104,7 @@ class RootContext:
                 _note(out[UNSHARDED_PARAMS], p.raw, *p.inner_tensors)
             _note(out[GRADIENTS], *g.grads, *g.partial_reduce.values())
             if g.pending_ag is not None:
-                _note(out[COMM_BUFFERS], g.pending_ag.out)
+                _note(out[COMM_BUFFERS], *g.pending_ag.buffers())
             _note(out[COMM_BUFFERS], g.post_forward_buf)
         if self.pending_reduce is not None:
             for *_, inp, out_buf in self.pending_reduce.buckets:

@@ -51,6 +51,15 @@ class Streams:
     def __init__(self, device: torch.device):
         self.device = device
         self.is_cuda = device.type == "cuda"
+        # When backward prefetches the next group's all-gather. CUDA: at the current group's
+        # pre-backward (torch's schedule, FSDP1's BACKWARD_PRE): NCCL moves it beside the
+        # group's backward kernels, worth its buffer. CPU: at the current group's post-backward
+        # (FSDP1's BACKWARD_POST), once that group's parameters are freed and its gradients
+        # packed. gloo's threads take the cores the backward computes on, so the earlier issue
+        # bought no step time (benchmarks/fsdp_step.py, world 2: not slower), while its buffer
+        # (one block) sat at the step's peak -- the first block's backward, where every
+        # activation is still alive (benchmarks/memory.py, world 2, 4 layers: 35.7 -> 33.7 MiB).
+        self.prefetch_at_pre_backward = self.is_cuda
         if self.is_cuda:
             # high priority: a copy-in that waits behind a long compute kernel delays the all-gather
             self._streams = {

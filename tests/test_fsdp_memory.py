@@ -105,8 +105,10 @@ class Follower:
                 and x in self.forwarded and x not in self.backwarded}
         following = self.neighbour(self.order, g, 1)        # prefetched in forward
         preceding = self.neighbour(self.post_order, g, -1)  # prefetched in backward
+        # on CPU backward prefetches from the post-backward (fsdp.streams): nothing but the
+        # group itself is gathered while its backward computes
         allowed = {"pre_forward": {g} | following, "post_forward": following,
-                   "pre_backward": {g} | preceding, "post_backward": preceding,
+                   "pre_backward": {g}, "post_backward": preceding,
                    "end_of_backward": set()}[event]
         holders = {x for x in self.order if self.holds_params(x)}
         extra = holders - allowed - kept
@@ -217,3 +219,22 @@ def test_groups_followed_through_a_step_world2(reshard_after_forward):
                          ids=["fsdp-raf", "hsdp-raf", "2d-raf", "2d-no-raf"])
 def test_groups_followed_through_a_step_world4(layout, reshard_after_forward):
     _follow_step(layout, reshard_after_forward)
+
+
+@distributed(world_size=2, timeout=120)
+def test_all_gather_pieces_are_freed_by_the_copy_out():
+    """On CPU a group whose shards need no padding gathers into one buffer per rank; the wait
+    (copy-out) frees every piece -- the one this rank sent before the parameters are allocated --
+    and the gathered parameters are exactly the global ones."""
+    net = build("fsdp", True)
+    group = net.blocks[0]._get_fsdp_state().group
+    group.start_unshard()
+    pending = group.pending_ag
+    assert pending.out is None and len(pending.pieces) == 2
+    assert all(piece.untyped_storage().nbytes() for piece in pending.pieces)
+    group.wait_unshard()
+    assert all(piece.untyped_storage().nbytes() == 0 for piece in pending.pieces)
+    for p in group.params:
+        assert torch.equal(p.raw, p.sharded.full_tensor())
+    group.reshard()
+    assert group.unsharded_nbytes() == 0
