@@ -8,6 +8,8 @@ dispatcher's cached decisions and ``_fast_path``'s replays then call it on every
 """
 from __future__ import annotations
 
+from math import copysign as _copysign
+
 import torch
 
 from ._torch_names import TorchDispatchMode, VariableFunctions
@@ -23,7 +25,9 @@ def const(a):
     (a plain tensor, an object whose equality is not identity of meaning)."""
     t = type(a)
     if t is float:
-        return (t, a) if a else (t, repr(a))  # 0.0 == -0.0 but they multiply differently
+        # 0.0 == -0.0 but they multiply differently: a zero carries its sign (copysign: a C
+        # call, where repr() cost a string per call of every op given alpha=0.0 or the like)
+        return (t, a) if a else (t, a, _copysign(1.0, a))
     if t in _CONSTANT_TYPES:
         return (t, a)
     if t is tuple or t is list or t is torch.Size:
