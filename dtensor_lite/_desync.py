@@ -72,7 +72,8 @@ class DesyncError(RuntimeError):
 
 # the c10d functions collectives.py issues, by the collective a user knows them as
 _PLAIN_NAMES = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
-                "_broadcast_slots": "all_gather", "reduce_scatter_tensor": "reduce_scatter",
+                "_broadcast_slots": "all_gather", "_broadcast_pieces": "all_gather",
+                "reduce_scatter_tensor": "reduce_scatter",
                 "reduce_scatter_single": "reduce_scatter", "_all_reduce_in_place": "all_reduce"}
 
 

@@ -217,7 +217,7 @@ def dtype_from_code(code: int):
 _COLLECTIVE_NAMES = {zlib.crc32(name.encode()): name for name in (
     "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
     "reduce_scatter_single", "all_reduce", "broadcast", "scatter", "all_to_all_single",
-    "_all_reduce_in_place", "_broadcast_slots")}
+    "_all_reduce_in_place", "_broadcast_slots", "_broadcast_pieces", "all_gather")}
 _SHAPE_COLS = 9  # ndim, then up to 8 sizes (a deeper tensor is named by its first 8)
 
 

@@ -172,3 +172,21 @@ def test_a_bound_that_is_no_number_is_refused():
     assert out.returncode != 0
     assert "DTL_DESYNC_SECONDS='soon': expected a number of seconds (0 turns it off)" in \
         out.stderr, out.stderr
+
+
+def test_every_issued_collective_has_the_name_a_user_knows():
+    """Every function collectives.py hands to ``_issue`` reads, in a desync report and the
+    agreement check, as the collective a user knows (``all_gather``, not a private helper):
+    the general case, read from the source, not a list kept beside it."""
+    import re
+
+    from dtensor_lite import _desync, collectives
+    source = Path(collectives.__file__).read_text()
+    issued = set(re.findall(r"_issue\(\s*(?:dist\.)?([A-Za-z_]\w*)", source)) - {"collective"}
+    assert {"_broadcast_pieces", "_all_reduce_in_place", "all_to_all_single"} <= issued
+    for name in issued:
+        fn = getattr(collectives, name, None) or getattr(dist, name)
+        plain = _desync.plain_name(collectives.name_of(fn))
+        assert not plain.startswith("_"), (name, plain)
+        code = collectives.zlib.crc32(collectives.name_of(fn).encode())
+        assert code in collectives._COLLECTIVE_NAMES, name

@@ -21,7 +21,8 @@ Categories are those of :mod:`dtensor_lite.memory_categories` (shared with the m
   schedules' input-gradient pass retains its graph -- where a run without the meter frees them).
 * ``unsharded_params``: storages that modules expose as parameters during forward but that are
   not the sharded parameters (FSDP's gathered ones); the peak of their live bytes is sampled at
-  every module's forward exit and every collective, in forward and backward.
+  every module's forward exit, every collective, and every re-allocation of such a storage
+  (FSDP's unshard in backward), in forward and backward.
 * ``comm_buffers``: FSDP's flat buffers, from the recorded collectives: the largest all-gather
   output plus the largest reduce-scatter input (the most alive at once with prefetch depth 1).
 * communication: CommDebugMode's records (every collective passes through
@@ -266,11 +267,17 @@ class StepMeter:
         self._mode.__enter__()
         self._mode.recording = True
         self._mode.tracking = True
-        resize, mode = torch.UntypedStorage.resize_, self._mode
+        resize, mode, unsharded = torch.UntypedStorage.resize_, self._mode, self._unsharded
 
         def counted_resize(storage, nbytes):
             mode.resized(storage, nbytes)
-            return resize(storage, nbytes)
+            out = resize(storage, nbytes)
+            if nbytes and storage._cdata in unsharded:
+                # a gathered parameter's storage allocated again (fsdp's unshard in backward):
+                # sampled here too, as a gather that is no collective's issue (a backward
+                # prefetch issued after the previous group resharded) would otherwise be missed
+                self.sample()
+            return out
         self._resize = resize
         torch.UntypedStorage.resize_ = counted_resize
         return self
