@@ -24,7 +24,8 @@ against one process holding the trained weights. Per sync it prints bytes sent b
 rank, wall time and peak extra memory per rank, beside:
 
 * ``full_tensor``: per parameter ``full_tensor()`` on the trainer, then each engine rank slices
-  its piece (colocated) -- every trainer rank holds every parameter whole once;
+  its piece (colocated) or receives it whole from one trainer rank (disjoint, round robin) --
+  every trainer rank holds every parameter whole once;
 * ``rank0_broadcast``: rank 0 gathers each parameter and sends it whole to every engine rank.
 """
 from __future__ import annotations
@@ -163,6 +164,25 @@ def sync_full_tensor(trainer_tensors, load):
         load(name, t.full_tensor())
 
 
+def sync_full_tensor_to(trainer_tensors, load, dtype, trainer_ranks, engine_ranks):
+    """By hand, disjoint: each parameter whole on every trainer rank (``full_tensor``), trainer
+    rank i sends it to the i-th engine rank (round robin), which keeps its piece."""
+    rank, sent, buf = dist.get_rank(), 0, None
+    source = {e: trainer_ranks[i % len(trainer_ranks)] for i, e in enumerate(engine_ranks)}
+    for name, t in trainer_tensors.items():
+        whole = t.full_tensor().to(dtype) if rank in trainer_ranks else None
+        for e, src in source.items():
+            if rank == src:
+                dist.send(whole, e)
+                sent += whole.numel() * whole.element_size()
+            elif rank == e:
+                buf = torch.empty(t.shape, dtype=dtype)
+                dist.recv(buf, src)
+        if rank in engine_ranks:
+            load(name, buf)
+    return sent
+
+
 def sync_rank0_broadcast(trainer_tensors, load, dtype, engine_ranks):
     """By hand: rank 0 gathers each parameter and sends it whole to every engine rank."""
     rank, sent = dist.get_rank(), 0
@@ -243,6 +263,8 @@ def run(args) -> list:
     engine_ranks = sorted({int(r) for r in engine_mesh.root_layout.flatten().tolist()}) \
         if not args.rollout else list(range(dist.get_world_size() - args.rollout,
                                             dist.get_world_size()))
+    trainer_ranks = [r for r in range(dist.get_world_size()) if r not in engine_ranks] \
+        if args.rollout else list(range(dist.get_world_size()))
     fused = isinstance(engine, EngineLlama)
     engine_tensors = engine.weights() if fused else engine  # DTensors over its own buffers
     load = engine.load_weight if fused else module_loader(engine)  # the by-hand syncs'
@@ -271,8 +293,6 @@ def run(args) -> list:
         if in_trainer:
             train_steps(trainer, opt, args.sync_every, seed=sync)
         results: dict = {name: [] for name in [*plans, "full_tensor", "rank0_broadcast"]}
-        if args.rollout:
-            del results["full_tensor"]  # the engine ranks hold no trainer pieces to gather
         for rep in range(args.repeats):  # the methods interleaved: load hits them alike
             for name, p in reversed(plans.items()):  # "relayout" last: its result is checked
                 results[name].append(measured(lambda: p.run(trainer_tensors, engine_tensors),
@@ -285,6 +305,10 @@ def run(args) -> list:
             if not args.rollout:
                 results["full_tensor"].append(measured(
                     lambda: sync_full_tensor(trainer_tensors, load), tracked))
+            else:  # the engine ranks hold no trainer pieces: the trainer ranks send them whole
+                results["full_tensor"].append(measured(
+                    lambda: sync_full_tensor_to(trainer_tensors, load, args.torch_dtype,
+                                                trainer_ranks, engine_ranks), tracked))
             results["rank0_broadcast"].append(measured(
                 lambda: sync_rank0_broadcast(trainer_tensors, load, args.torch_dtype,
                                              engine_ranks), tracked))
