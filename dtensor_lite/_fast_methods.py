@@ -14,7 +14,7 @@ modes: C++ hands a call to an active ``TorchFunctionMode`` (or skips every hook 
 functions are disabled, these methods call the C method itself, which does all of that.
 
 Which methods: arithmetic operators and their in-place forms, the common reductions and matrix
-products, and views (whose calls always take the ordinary way: they save only the C++ entry).
+products, and views (replayed by ``_view_replay``).
 Installed and removed with ``_fast_path`` (``DTENSOR_LITE_FAST_PATH=0`` leaves DTensor with
 torch's methods only).
 """
@@ -34,7 +34,7 @@ _NAMES = (
     "add", "sub", "mul", "div", "add_", "sub_", "mul_", "div_", "addcmul_", "addcdiv_", "lerp_",
     "neg", "exp", "sqrt", "rsqrt", "pow", "abs", "relu", "sigmoid", "tanh", "clamp",
     "sum", "mean", "amax", "norm", "matmul", "mm", "bmm",
-    # views: always the ordinary way, without the C++ entry into __torch_function__
+    # views (``_view_replay``)
     "t", "view", "reshape", "transpose", "permute", "unsqueeze", "squeeze", "flatten", "expand",
 )
 

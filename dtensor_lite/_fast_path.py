@@ -12,7 +12,9 @@ decision and its result. The call becomes a shortcut only if every recorded op w
 the plain kind (``_Decision.fast``: nothing to redistribute, no custom aliasing, one tensor out)
 and writes only into a tensor an earlier op of the call made (or is the call's one op), the last
 op's result is what the function returned and is not a view, and every DTensor the ops read is an
-argument of the call or an earlier op's result. A random op replays its decision's local function,
+argument of the call or an earlier op's result. (A call that is one view op replays differently:
+C++ makes the view on the wrapper, so autograd tracks it as without the shortcut; see
+``_view_replay``.) A random op replays its decision's local function,
 so it draws exactly as dispatched, with the generator check before each draw (``random.py``).
 Then the replay runs exactly the local ops the dispatcher would run, with the same non-tensor
 arguments: the key holds every non-tensor argument by type and value (floats ``0.0``/``-0.0``
@@ -55,6 +57,7 @@ from ._aliasing import COPIED_VIEWS
 from ._quick_call import cheaper_spelling as _cheaper_spelling, const as _const, \
     quick_callable as _quick_callable
 from ._dispatch import _Decision
+from ._view_replay import view_runner
 from .dtensor import DTensor, use_torch_function
 
 __all__ = ["torch_function"]
@@ -136,6 +139,13 @@ _PARSE_FAILURES = re.compile(r"failed to unpack the object|invalid combination o
 
 
 def _kwargs_key(kwargs, dts: list):
+    if len(kwargs) == 1:  # the usual one keyword (``alpha=``, ``dim=``): no loop
+        (k, v), = kwargs.items()
+        if type(v) is DTensor:
+            dts.append(v)
+            return ((k, v._spec),)
+        c = _const(v)
+        return None if c is None else ((k, c),)
     key = []
     for k, v in kwargs.items():
         if type(v) is DTensor:
@@ -151,7 +161,7 @@ def _kwargs_key(kwargs, dts: list):
 
 def torch_function(cls, func, types_, args=(), kwargs=None):
     # first the calls that must run the ordinary way whatever their key: functions that never
-    # shortcut (getters, views, Python code), calls autograd must record, and calls under
+    # shortcut (no aten op, Python code), calls autograd must record, and calls under
     # something that must see every op. functorch transforms need no check: inside them the
     # arguments are batched or grad-tracking tensors, not DTensors. A call inside a call being
     # learned (a composite's Python kernel) runs the ordinary way: a replay there would hide its
@@ -160,7 +170,7 @@ def torch_function(cls, func, types_, args=(), kwargs=None):
     if func in _ORDINARY:
         return _ordinary(func, types_, args, kwargs)
     grad = _grad_enabled()
-    if grad and (_any_requires_grad(*args) or (kwargs and _any_requires_grad(*kwargs.values()))):
+    if grad and _any_requires_grad(*args):  # keywords: once the key has found their DTensors
         return _ordinary(func, types_, args, kwargs)
     if _RECORDERS or _dispatch_modes() or _autocast() or _fwad._current_level >= 0:
         return _ordinary(func, types_, args, kwargs)
@@ -184,26 +194,17 @@ def torch_function(cls, func, types_, args=(), kwargs=None):
                 return _ordinary(func, types_, args, kwargs)
             key = (func, grad, args[0]._spec, c)
             dts = (args[0],)
+    elif n == 2 and type(args[0]) is DTensor and type(args[1]) is DTensor and len(kwargs) == 1:
+        # binary with one keyword (``a.add_(b, alpha=2.0)``): the keyword's name and constant
+        # inline (a key that hashes no nested tuple of tuples); no other branch keys this shape
+        (k, v), = kwargs.items()
+        c = _const(v)
+        key, dts = ((func, grad, args[0]._spec, args[1]._spec, k, c), args) if c is not None \
+            else _loop_key(func, grad, args, kwargs)
     else:
-        dts = []
-        key = [func, grad]
-        for a in args:
-            if type(a) is DTensor:
-                dts.append(a)
-                key.append(a._spec)
-            else:
-                c = _const(a)
-                if c is None:
-                    return _ordinary(func, types_, args, kwargs)
-                key.append(c)
-        if kwargs:
-            c = _kwargs_key(kwargs, dts)
-            if c is None:
-                return _ordinary(func, types_, args, kwargs)
-            key.append(c)
-        if not dts:
-            return _ordinary(func, types_, args, kwargs)
-        key = tuple(key)
+        key, dts = _loop_key(func, grad, args, kwargs)
+    if key is None:
+        return _ordinary(func, types_, args, kwargs)
     run = _SHORTCUTS.get(key)
     if run is None:
         return _learn(key, func, types_, args, kwargs, dts)
@@ -215,6 +216,31 @@ def torch_function(cls, func, types_, args=(), kwargs=None):
         else:
             return _unchecked.propagate(args, kwargs, out) if _unchecked.MARKED else out
     return _ordinary(func, types_, args, kwargs)
+
+
+def _loop_key(func, grad, args, kwargs):
+    """``(key, DTensors)`` for the argument shapes ``torch_function`` does not spell out, or
+    ``(None, None)`` for a call that must run the ordinary way: an argument the key cannot hold,
+    no DTensor at all, or a keyword DTensor that autograd must record."""
+    dts = []
+    key = [func, grad]
+    for a in args:
+        if type(a) is DTensor:
+            dts.append(a)
+            key.append(a._spec)
+        else:
+            c = _const(a)
+            if c is None:
+                return None, None
+            key.append(c)
+    if kwargs:
+        c = _kwargs_key(kwargs, dts)
+        if c is None or (grad and _any_requires_grad(*dts)):
+            return None, None
+        key.append(c)
+    if not dts:
+        return None, None
+    return tuple(key), dts
 
 
 def _learn(key, func, types_, args, kwargs, dts):
@@ -229,9 +255,12 @@ def _learn(key, func, types_, args, kwargs, dts):
         _SHORTCUTS.clear()  # bounded like the decisions replays hold; relearning is one call
     if not recorder and func in _IDENTITY_FOR_SOME and any(out is dt for dt in dts):
         _SHORTCUTS[key] = _NO_SHORTCUT  # these arguments only: dropout in eval returns its input
-    elif not (type(func) in _BUILTIN_TYPES or func in _PURE_PYTHON) or not recorder or (
-            isinstance(out, DTensor) and out is recorder[-1][4] and recorder[-1][0].is_view):
-        _ORDINARY.add(func)  # whatever the arguments: no aten op, a view, or Python code
+    elif not (type(func) in _BUILTIN_TYPES or func in _PURE_PYTHON) or not recorder:
+        _ORDINARY.add(func)  # whatever the arguments: no aten op, or Python code
+    elif isinstance(out, DTensor) and out is recorder[-1][4] and recorder[-1][0].is_view:
+        # a view: made by C++ on the wrapper (autograd's view tracking), or the ordinary way
+        run = view_runner(recorder[0], dts, out) if len(recorder) == 1 else None
+        _SHORTCUTS[key] = _NO_SHORTCUT if run is None else run
     else:
         replay = _Replay.of(recorder, dts, out)
         _SHORTCUTS[key] = _NO_SHORTCUT if replay is None else replay.runner()
@@ -315,6 +344,16 @@ class _Replay:
             return self.run
         if self.written is not None:  # one in-place op: ``a.add_(b)``, ``a.mul_(2)``
             single, written = self.single, self.written
+            fn, base, slots, kw = self.steps[0]
+            if slots == ((0, 0), (1, 1)) and len(base) == 2:  # a.add_(b[, alpha=...]) inline
+                def run_write_two(dts):
+                    if COPIED_VIEWS:
+                        raise _Ordinary  # as run_write
+                    dst = dts[written]
+                    fn(dts[0]._local_tensor, dts[1]._local_tensor, **kw)
+                    _increment_version((dst,))
+                    return dst
+                return run_write_two
 
             def run_write(dts):
                 if COPIED_VIEWS:
@@ -388,6 +427,8 @@ def _written_source(d, args, sources):
 
 def _single_step(fn, base, slots, kw):
     """The local call of a one-op replay, without the general loop for the usual shapes."""
+    if kw and slots == ((0, 0), (1, 1)) and len(base) == 2:  # a.add_(b, alpha=2.0)
+        return lambda dts: fn(dts[0]._local_tensor, dts[1]._local_tensor, **kw)
     if kw:
         def call_kw(dts):
             largs = base.copy()
