@@ -70,16 +70,21 @@ class DesyncError(RuntimeError):
     cannot complete. The message names each rank's collective and line."""
 
 
-# the c10d functions collectives.py issues, by the collective a user knows them as
-_PLAIN_NAMES = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
-                "_broadcast_slots": "all_gather", "_broadcast_pieces": "all_gather",
-                "reduce_scatter_tensor": "reduce_scatter",
-                "reduce_scatter_single": "reduce_scatter", "_all_reduce_in_place": "all_reduce"}
+# every function collectives.py issues (a c10d one or its own form of one) -> the collective a
+# user knows it as: the one table for reports, and for the codes of the agreement check's rows
+ISSUED_AS = {
+    "all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
+    "_broadcast_slots": "all_gather", "_broadcast_pieces": "all_gather",
+    "all_gather": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
+    "_all_reduce_in_place": "all_reduce", "all_reduce": "all_reduce",
+    "broadcast": "broadcast", "scatter": "scatter", "all_to_all_single": "all_to_all_single",
+}
 
 
 def plain_name(name: str) -> str:
     """The collective a c10d function name (or collectives.py's own form of it) stands for."""
-    return _PLAIN_NAMES.get(name, name)
+    return ISSUED_AS.get(name, name)
 
 
 def issued(work, group, name: str) -> None:

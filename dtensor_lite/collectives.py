@@ -213,11 +213,8 @@ def dtype_from_code(code: int):
     return _DTYPE_OF_CODE.get(code, f"dtype#{code}")
 
 
-# the c10d functions _issue hands tensors to, by the number each rank puts in its row
-_COLLECTIVE_NAMES = {zlib.crc32(name.encode()): name for name in (
-    "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
-    "reduce_scatter_single", "all_reduce", "broadcast", "scatter", "all_to_all_single",
-    "_all_reduce_in_place", "_broadcast_slots", "_broadcast_pieces", "all_gather")}
+# the functions _issue hands tensors to, by the number each rank puts in its row
+_COLLECTIVE_NAMES = {zlib.crc32(name.encode()): name for name in _desync.ISSUED_AS}
 _SHAPE_COLS = 9  # ndim, then up to 8 sizes (a deeper tensor is named by its first 8)
 
 
