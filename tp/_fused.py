@@ -1,0 +1,75 @@
+"""A parallel Linear's hooks and its linear as one autograd node, where nothing can tell.
+
+``ColwiseParallel`` / ``RowwiseParallel`` convert activations in forward hooks around an
+``nn.Linear``: the input hook redistributes (a sequence-parallel all-gather) or declares a local
+piece (``from_local``), the linear runs on DTensors, the output hook redistributes (a
+reduce-scatter) or hands back the local piece. Three autograd nodes and their wrappers per Linear;
+dtensor_lite's ``GATHER_COLUMN`` / ``ROW_REDUCE`` shortcuts (``dtensor_lite/_tp_linear.py``) run
+the same three steps as one node, calling the same functions.
+
+How the hooks hand the call over: the style also gives the module a ``forward`` of its own
+(:func:`install`). Where the call qualifies (:func:`eligible`), the input hook leaves the input as
+it is and notes it on the module; that ``forward`` finds the note and asks for the shortcut, whose
+result the output hook then passes through. Where the shortcut declines, ``forward`` converts the
+input as the hook would have and runs ``nn.Linear.forward``; without a note it is
+``nn.Linear.forward`` itself. A call qualifies only where no one else could see the difference:
+the module's own ``forward`` is ``nn.Linear``'s, the style's two hooks are its only hooks (no
+global module hooks either, no backward hooks: they would see the input before its conversion),
+and no trace is running.
+"""
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.nn as nn
+from torch.nn.modules import module as _module
+
+from dtensor_lite._shortcuts import NOT_TAKEN, first
+
+__all__ = ["eligible", "install", "note", "passed_through"]
+
+_PENDING = "_dtl_tp_fused_input"  # set by the input hook, read by forward
+_DONE = "_dtl_tp_fused_output"    # set by forward, read by the output hook
+_GLOBAL_HOOKS = tuple(getattr(_module, name, None) for name in (
+    "_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_always_called",
+    "_global_backward_pre_hooks", "_global_backward_hooks"))
+_linear_forward = nn.Linear.forward
+
+
+def eligible(mod: nn.Module) -> bool:
+    """Whether nothing but the style's own hooks sees ``mod``'s call (see the module docstring)."""
+    return (type(mod).forward is _linear_forward and len(mod._forward_pre_hooks) == 1 and
+            len(mod._forward_hooks) == 1 and not mod._backward_hooks and
+            not mod._backward_pre_hooks and not any(_GLOBAL_HOOKS) and
+            not torch.compiler.is_compiling())
+
+
+def note(mod: nn.Module, x, *extra) -> None:
+    """The input hook leaves ``x`` to ``mod``'s forward (with ``extra``, what it worked out)."""
+    mod.__dict__[_PENDING] = (x, *extra)
+
+
+def passed_through(mod: nn.Module, out) -> bool:
+    """Whether ``out`` is the shortcut's result, final already (the output hook returns it)."""
+    return mod.__dict__.pop(_DONE, None) is out and out is not None
+
+
+def install(module: nn.Module, shortcut: str, args_of, general) -> None:
+    """Give ``module`` the forward described above: ``args_of(module, *noted)`` are the
+    shortcut's arguments, ``finish(out)`` its result's final form (``args_of`` returns both);
+    ``general(module, *noted)`` converts the input as the hook would have."""
+    def forward(self, input):
+        if not torch.compiler.is_compiling():
+            noted = self.__dict__.pop(_PENDING, None)
+            if noted is not None and noted[0] is input:
+                args, finish = args_of(self, *noted)
+                out = first(shortcut, args, {})
+                if out is not NOT_TAKEN:
+                    out = finish(out)
+                    self.__dict__[_DONE] = out
+                    return out
+                input = general(self, *noted)
+        return _linear_forward(self, input)
+    # bound, in the instance: a deepcopy of the module binds its copy
+    module.forward = types.MethodType(forward, module)
