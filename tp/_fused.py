@@ -37,10 +37,11 @@ _GLOBAL_HOOKS = tuple(getattr(_module, name, None) for name in (
 _linear_forward = nn.Linear.forward
 
 
-def eligible(mod: nn.Module) -> bool:
-    """Whether nothing but the style's own hooks sees ``mod``'s call (see the module docstring)."""
-    return (type(mod).forward is _linear_forward and len(mod._forward_pre_hooks) == 1 and
-            len(mod._forward_hooks) == 1 and not mod._backward_hooks and
+def eligible(mod: nn.Module, forward=_linear_forward, output_hooks: int = 1) -> bool:
+    """Whether nothing but the style's own hooks (its input hook, ``output_hooks`` output hooks)
+    sees ``mod``'s call, whose class runs ``forward`` (see the module docstring)."""
+    return (type(mod).forward is forward and len(mod._forward_pre_hooks) == 1 and
+            len(mod._forward_hooks) == output_hooks and not mod._backward_hooks and
             not mod._backward_pre_hooks and not any(_GLOBAL_HOOKS) and
             not torch.compiler.is_compiling())
 
@@ -55,10 +56,13 @@ def passed_through(mod: nn.Module, out) -> bool:
     return mod.__dict__.pop(_DONE, None) is out and out is not None
 
 
-def install(module: nn.Module, shortcut: str, args_of, general) -> None:
+def install(module: nn.Module, shortcut: str, args_of, general, base=_linear_forward,
+            output_hook: bool = True) -> None:
     """Give ``module`` the forward described above: ``args_of(module, *noted)`` are the
     shortcut's arguments, ``finish(out)`` its result's final form (``args_of`` returns both);
-    ``general(module, *noted)`` converts the input as the hook would have."""
+    ``general(module, *noted)`` converts the input as the hook would have; ``base`` is the
+    class's own forward; ``output_hook``: whether an output hook takes the result (to pass it
+    through; else nothing is noted)."""
     def forward(self, input):
         if not torch.compiler.is_compiling():
             noted = self.__dict__.pop(_PENDING, None)
@@ -67,9 +71,10 @@ def install(module: nn.Module, shortcut: str, args_of, general) -> None:
                 out = first(shortcut, args, {})
                 if out is not NOT_TAKEN:
                     out = finish(out)
-                    self.__dict__[_DONE] = out
+                    if output_hook:
+                        self.__dict__[_DONE] = out
                     return out
                 input = general(self, *noted)
-        return _linear_forward(self, input)
+        return base(self, input)
     # bound, in the instance: a deepcopy of the module binds its copy
     module.forward = types.MethodType(forward, module)

@@ -21,6 +21,7 @@ from dtensor_lite import DeviceMesh, DTensor, Placement, Replicate, Shard, distr
 from dtensor_lite.placements import as_placement
 
 from dtensor_lite._tp_linear import GATHER_COLUMN, ROW_REDUCE
+from dtensor_lite._tp_norm import SEQUENCE_NORM
 
 from . import _fused
 from ._layouts import _normalized, convert, local_piece, one_layout, tagged_piece
@@ -270,12 +271,39 @@ class SequenceParallel(ParallelStyle):
         distribute_params(self, module, device_mesh, {})
         layout = Shard(self.sequence_dim)
         who = f"SequenceParallel({type(module).__name__})"
-        module.register_forward_pre_hook(_first_input_hook(
-            lambda mod, x: convert(x, device_mesh, layout, layout, use_local=False, who=who)))
+
+        def prepare_input(mod, x):
+            return convert(x, device_mesh, layout, layout, use_local=False, who=who)
+
+        if isinstance(module, nn.LayerNorm):
+            prepare_input = _norm_fusion(self, module, device_mesh, prepare_input)
+        module.register_forward_pre_hook(_first_input_hook(prepare_input))
         if self.use_local_output:
             module.register_forward_hook(
                 lambda mod, inputs, out: local_piece(out) if isinstance(out, DTensor) else out)
         return module
+
+
+def _norm_fusion(style, module, mesh, prepare_input):
+    """The input hook of a sequence-parallel LayerNorm, which leaves a DTensor already laid out
+    as the style wants to the one-node layer_norm shortcut (tp/_fused.py)."""
+    def args_of(mod, x):
+        return (x, mod.normalized_shape, mod.weight, mod.bias, mod.eps), _same
+
+    def hook(mod, x):
+        if type(x) is DTensor and x.device_mesh is mesh and \
+                _fused.eligible(mod, _layer_norm_forward, 1 if style.use_local_output else 0) and \
+                x.placements == (_normalized(Shard(style.sequence_dim), x.ndim),):
+            _fused.note(mod, x)
+            return x  # what prepare_input returns for it too
+        return prepare_input(mod, x)
+
+    _fused.install(module, SEQUENCE_NORM, args_of, prepare_input, _layer_norm_forward,
+                   output_hook=False)
+    return hook
+
+
+_layer_norm_forward = nn.LayerNorm.forward
 
 
 def _layout_tuple(layouts, what: str):
