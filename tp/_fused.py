@@ -9,16 +9,17 @@ the same three steps as one node, calling the same functions.
 
 How the hooks hand the call over: the style also gives the module a ``forward`` of its own
 (:func:`install`). Where the call qualifies (:func:`eligible`), the input hook leaves the input as
-it is and notes it on the module; that ``forward`` finds the note and asks for the shortcut, whose
-result the output hook then passes through. Where the shortcut declines, ``forward`` converts the
-input as the hook would have and runs ``nn.Linear.forward``; without a note it is
-``nn.Linear.forward`` itself. A call qualifies only where no one else could see the difference:
-the module's own ``forward`` is ``nn.Linear``'s, the style's two hooks are its only hooks (no
-global module hooks either, no backward hooks: they would see the input before its conversion),
-and no trace is running.
+it is and notes it for the module (per thread); that ``forward`` finds the note and asks for the
+shortcut, whose result the output hook then passes through. Where the shortcut declines,
+``forward`` converts the input as the hook would have and runs the class's forward; without a
+note it is the class's forward itself. A call qualifies only where no one else could see the
+difference: the module's own ``forward`` is ``nn.Linear``'s (``nn.LayerNorm``'s for
+``SequenceParallel``), the style's hooks are its only hooks (no global module hooks either, no
+backward hooks: they would see the input before its conversion), and no trace is running.
 """
 from __future__ import annotations
 
+import threading
 import types
 
 import torch
@@ -29,8 +30,16 @@ from dtensor_lite._shortcuts import NOT_TAKEN, first
 
 __all__ = ["eligible", "install", "note", "passed_through"]
 
-_PENDING = "_dtl_tp_fused_input"  # set by the input hook, read by forward
-_DONE = "_dtl_tp_fused_output"    # set by forward, read by the output hook
+
+class _Notes(threading.local):
+    """Per thread (a module may be called from several): what the input hook left to forward
+    (``pending``) and what forward left to the output hook (``done``), by module."""
+
+    def __init__(self):
+        self.pending, self.done = {}, {}
+
+
+_NOTES = _Notes()
 _GLOBAL_HOOKS = tuple(getattr(_module, name, None) for name in (
     "_global_forward_pre_hooks", "_global_forward_hooks", "_global_forward_hooks_always_called",
     "_global_backward_pre_hooks", "_global_backward_hooks"))
@@ -48,12 +57,12 @@ def eligible(mod: nn.Module, forward=_linear_forward, output_hooks: int = 1) -> 
 
 def note(mod: nn.Module, x, *extra) -> None:
     """The input hook leaves ``x`` to ``mod``'s forward (with ``extra``, what it worked out)."""
-    mod.__dict__[_PENDING] = (x, *extra)
+    _NOTES.pending[mod] = (x, *extra)
 
 
 def passed_through(mod: nn.Module, out) -> bool:
     """Whether ``out`` is the shortcut's result, final already (the output hook returns it)."""
-    return mod.__dict__.pop(_DONE, None) is out and out is not None
+    return _NOTES.done.pop(mod, None) is out and out is not None
 
 
 def install(module: nn.Module, shortcut: str, args_of, general, base=_linear_forward,
@@ -65,14 +74,14 @@ def install(module: nn.Module, shortcut: str, args_of, general, base=_linear_for
     through; else nothing is noted)."""
     def forward(self, input):
         if not torch.compiler.is_compiling():
-            noted = self.__dict__.pop(_PENDING, None)
+            noted = _NOTES.pending.pop(self, None)
             if noted is not None and noted[0] is input:
                 args, finish = args_of(self, *noted)
                 out = first(shortcut, args, {})
                 if out is not NOT_TAKEN:
                     out = finish(out)
                     if output_hook:
-                        self.__dict__[_DONE] = out
+                        _NOTES.done[self] = out
                     return out
                 input = general(self, *noted)
         return base(self, input)
