@@ -49,10 +49,10 @@ _linear_forward = nn.Linear.forward
 def eligible(mod: nn.Module, forward=_linear_forward, output_hooks: int = 1) -> bool:
     """Whether nothing but the style's own hooks (its input hook, ``output_hooks`` output hooks)
     sees ``mod``'s call, whose class runs ``forward`` (see the module docstring)."""
-    return (type(mod).forward is forward and len(mod._forward_pre_hooks) == 1 and
-            len(mod._forward_hooks) == output_hooks and not mod._backward_hooks and
-            not mod._backward_pre_hooks and not any(_GLOBAL_HOOKS) and
-            not torch.compiler.is_compiling())
+    # a trace first: under Dynamo nothing after it is read, so it guards on none of it
+    return (not torch.compiler.is_compiling() and type(mod).forward is forward and
+            len(mod._forward_pre_hooks) == 1 and len(mod._forward_hooks) == output_hooks and
+            not mod._backward_hooks and not mod._backward_pre_hooks and not any(_GLOBAL_HOOKS))
 
 
 def note(mod: nn.Module, x, *extra) -> None:

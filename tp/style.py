@@ -291,8 +291,9 @@ def _norm_fusion(style, module, mesh, prepare_input):
         return (x, mod.normalized_shape, mod.weight, mod.bias, mod.eps), _same
 
     def hook(mod, x):
-        if type(x) is DTensor and x.device_mesh is mesh and \
+        if type(x) is DTensor and \
                 _fused.eligible(mod, _layer_norm_forward, 1 if style.use_local_output else 0) and \
+                x.device_mesh is mesh and \
                 x.placements == (_normalized(Shard(style.sequence_dim), x.ndim),):
             _fused.note(mod, x)
             return x  # what prepare_input returns for it too
