@@ -10,6 +10,7 @@ from . import ops  # noqa: F401  (registers the sharding rules)
 from . import _dispatch  # noqa: F401  (installs itself as DTensor's op dispatcher)
 from . import _fast_path  # noqa: F401  (DTensor's __torch_function__ shortcut; DTENSOR_LITE_FAST_PATH=0 turns it off)
 from . import _local_linear  # noqa: F401  (registers the tensor-parallel linear shortcut)
+from . import _tp_linear, _tp_norm  # noqa: F401  (register the shortcuts of tp's styles)
 from . import _at_exit  # noqa: F401  (the process's teardown in an order that cannot abort)
 from .redistribute import explain_redistribute, RedistributePlan
 from .factories import (distribute_tensor, distribute_module, zeros, ones, empty, full, rand, randn,

@@ -32,7 +32,7 @@ from .redistribute import redistribute_local
 from .redistribute.planner import _PLANS
 from .spec import DTensorSpec, TensorMeta, contiguous_stride
 
-__all__ = ["local_linear"]
+__all__ = ["local_linear", "plan_of", "forward_local", "backward_local"]
 
 aten = torch_names.aten
 R = Replicate()
@@ -52,20 +52,25 @@ def local_linear(input, weight, bias=None):
     if not (_grad_enabled() and type(input) is DTensor and type(weight) is DTensor and
             (bias is None or type(bias) is DTensor)):
         return NOT_TAKEN
-    key = (input._spec, weight._spec, None if bias is None else bias._spec)
-    plan = _LINEAR_PLANS.get(key)
-    if plan is None:
-        plan = _caches.remember(_LINEAR_PLANS, key, _plan(input, weight, bias) or _NOT_LOCAL,
-                                _PLANS)
-    if plan is _NOT_LOCAL or _dispatch_modes() or \
+    plan = plan_of(input._spec, weight._spec, None if bias is None else bias._spec)
+    if plan is None or _dispatch_modes() or \
             is_traced(input._local_tensor) or is_traced(weight._local_tensor):
         return NOT_TAKEN
     return _LocalLinear.apply(input, weight, bias, plan)
 
 
-def _plan(x, w, b) -> "_LinearPlan | None":
-    mesh = x._spec.mesh
-    specs = [x._spec, w._spec] + ([] if b is None else [b._spec])
+def plan_of(x_spec, w_spec, b_spec) -> "_LinearPlan | None":
+    """The local plan of ``linear`` on DTensors of these specs (cached), or None: not local."""
+    key = (x_spec, w_spec, b_spec)
+    plan = _LINEAR_PLANS.get(key)
+    if plan is None:
+        plan = _caches.remember(_LINEAR_PLANS, key, _plan(*key) or _NOT_LOCAL, _PLANS)
+    return None if plan is _NOT_LOCAL else plan
+
+
+def _plan(x, w, b) -> "_LinearPlan | None":  # specs
+    mesh = x.mesh
+    specs = [x, w] + ([] if b is None else [b])
     if mesh.ndim != 1 or mesh._coordinate is None or w.ndim != 2 or x.ndim not in (2, 3) or \
             x.dtype.is_complex or \
             x.shape[-1] != w.shape[1] or any(
@@ -74,8 +79,8 @@ def _plan(x, w, b) -> "_LinearPlan | None":
             (b is not None and (b.ndim != 1 or b.shape[0] != w.shape[0])):
         return None
     last = x.ndim - 1
-    xp, wp = x._spec.placements[0], w._spec.placements[0]
-    bp = None if b is None else b._spec.placements[0]
+    xp, wp = x.placements[0], w.placements[0]
+    bp = None if b is None else b.placements[0]
     plan = _LinearPlan()
     plan.bias_partial = None
     if xp.is_replicate() and wp.is_shard(0) and bp in (None, Shard(0)):  # column-parallel
@@ -83,12 +88,12 @@ def _plan(x, w, b) -> "_LinearPlan | None":
     elif xp.is_shard(last) and wp.is_shard(1) and bp in (None, R):  # row-parallel
         out, x_grad, b_grad = Partial("sum"), (xp,), (R,)
         if b is not None:
-            plan.bias_partial = b._spec.with_placements((Partial("sum"),))
+            plan.bias_partial = b.with_placements((Partial("sum"),))
     else:
         return None
-    plan.x_grad = x._spec.with_placements(x_grad)
-    plan.w_grad = w._spec.with_placements((wp,))
-    plan.b_grad = None if b is None else b._spec.with_placements(b_grad)
+    plan.x_grad = x.with_placements(x_grad)
+    plan.w_grad = w.with_placements((wp,))
+    plan.b_grad = None if b is None else b.with_placements(b_grad)
     shape = tuple(x.shape[:-1]) + (w.shape[0],)
     plan.out_spec = DTensorSpec(mesh, (out,), TensorMeta(torch.Size(shape),
                                                          contiguous_stride(shape), x.dtype))
@@ -99,16 +104,8 @@ class _LocalLinear(torch.autograd.Function):
     @staticmethod
     @unseen_fn
     def forward(ctx, x, w, b, plan):
-        # contiguous: the local kernels the composite would pick for this (contiguous) wrapper
-        xl, wl = x._local_tensor.contiguous(), w._local_tensor
-        bl = None
-        if b is not None:
-            bl = b._local_tensor
-            if plan.bias_partial is not None:  # Replicate -> Partial: zeros off coordinate 0
-                bl = redistribute_local(bl, b._spec, plan.bias_partial)
         ctx.plan, ctx.has_bias = plan, b is not None
-        ctx.save_for_backward(xl, wl)
-        return DTensor(_composite(xl, wl, bl), plan.out_spec)
+        return DTensor(forward_local(ctx, x._local_tensor, w, b, plan), plan.out_spec)
 
     @staticmethod
     def backward(ctx, grad):
@@ -118,21 +115,41 @@ class _LocalLinear(torch.autograd.Function):
     @staticmethod
     @unseen_fn
     def _backward(ctx, grad):
-        plan = ctx.plan
-        g = local_grad_of(grad, plan.out_spec)  # as from_local's backward: Partial -> Replicate
-        xl, wl = ctx.saved_tensors
-        # the composite ran addmm (bias) or mm on x reshaped 2-D (explicit sizes: a piece may be
-        # empty) and weight.t(): their backwards, through the reshapes' own
-        g2, x2 = (g, xl) if xl.ndim == 2 else (_rows(g), _rows(xl))
-        gx = gw = gb = None
-        need = ctx.needs_input_grad
-        if need[0]:
-            gx = DTensor(_mat1_grad(g2, wl.t(), x2).reshape(xl.shape), plan.x_grad)
-        if need[1]:
-            gw = DTensor(_mat2_grad(g2, x2, wl.t()).t(), plan.w_grad)
-        if ctx.has_bias and need[2]:
-            gb = DTensor(g2.sum(0), plan.b_grad)  # sum_to(grad, bias shape): the leading dim
-        return gx, gw, gb, None
+        return (*backward_local(ctx, local_grad_of(grad, ctx.plan.out_spec)), None)
+
+
+def forward_local(ctx, xl, w, b, plan):
+    """The local result of the linear ``plan`` on ``x``'s piece ``xl``; saves what
+    :func:`backward_local` needs on ``ctx``."""
+    # contiguous: the local kernels the composite would pick for this (contiguous) wrapper
+    xl, wl = xl.contiguous(), w._local_tensor
+    bl = None
+    if b is not None:
+        bl = b._local_tensor
+        if plan.bias_partial is not None:  # Replicate -> Partial: zeros off coordinate 0
+            bl = redistribute_local(bl, b._spec, plan.bias_partial)
+    ctx.save_for_backward(xl, wl)
+    return _composite(xl, wl, bl)
+
+
+def backward_local(ctx, g):
+    """(x, weight, bias) gradients of :func:`forward_local` as DTensors (None where not needed),
+    from ``g``, the local piece of the output's gradient laid out as the plan's output with
+    Partial as Replicate (as from_local's backward gives it)."""
+    plan = ctx.plan
+    xl, wl = ctx.saved_tensors
+    # the composite ran addmm (bias) or mm on x reshaped 2-D (explicit sizes: a piece may be
+    # empty) and weight.t(): their backwards, through the reshapes' own
+    g2, x2 = (g, xl) if xl.ndim == 2 else (_rows(g), _rows(xl))
+    gx = gw = gb = None
+    need = ctx.needs_input_grad
+    if need[0]:
+        gx = DTensor(_mat1_grad(g2, wl.t(), x2).reshape(xl.shape), plan.x_grad)
+    if need[1]:
+        gw = DTensor(_mat2_grad(g2, x2, wl.t()).t(), plan.w_grad)
+    if ctx.has_bias and need[2]:
+        gb = DTensor(g2.sum(0), plan.b_grad)  # sum_to(grad, bias shape): the leading dim
+    return gx, gw, gb
 
 
 def _rows(t):

@@ -21,7 +21,9 @@ The other shortcuts sit in the same layer, each beside the path it shortens: ``_
 replays whole torch functions whose aten ops were all cache hits, ``_fast_methods`` reaches those
 replays from Tensor methods without the C++ entry, and ``collectives.sync_runner`` runs a cached
 redistribute plan's one collective. Registered here: ``_local_linear`` (tensor-parallel linear on
-local pieces).
+local pieces), and, under names rather than ops, ``_tp_linear`` / ``_tp_norm`` (a parallel style's
+Linear or LayerNorm with the moves of its hooks, one autograd node each), which ``tp`` asks for
+with ``first(name, args, {})``.
 """
 from __future__ import annotations
 

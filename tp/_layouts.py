@@ -30,7 +30,7 @@ from dtensor_lite.placements import as_placement
 from dtensor_lite.gather_pieces import agreement_applies, gather_local_pieces, pieces_global_shape
 from dtensor_lite.debug_state import comm_cause
 
-__all__ = ["one_layout", "to_dtensor", "convert", "local_piece"]
+__all__ = ["one_layout", "to_dtensor", "convert", "local_piece", "tagged_piece"]
 
 # attribute on a local piece handed out by local_piece: (mesh, placement, local shape,
 # global shape) of the DTensor it came from
@@ -65,10 +65,17 @@ def local_piece(dt):
     needs no exchange of the pieces' sizes; anything else is returned as ``to_local`` does."""
     local = dt.to_local() if isinstance(dt, DTensor) else dt
     if isinstance(dt, DTensor) and len(dt.placements) == 1 and dt.placements[0].is_shard():
-        try:
-            setattr(local, _KNOWN, (dt.device_mesh, dt.placements[0], local.shape, dt.shape))
-        except (AttributeError, RuntimeError):  # a tensor subclass without a __dict__
-            pass
+        tagged_piece(local, dt.device_mesh, dt.placements[0], dt.shape)
+    return local
+
+
+def tagged_piece(local, mesh, placement, global_shape):
+    """``local`` (the ``placement`` piece of a ``global_shape`` DTensor on ``mesh``) remembering
+    them, as :func:`local_piece` leaves its result."""
+    try:
+        setattr(local, _KNOWN, (mesh, placement, local.shape, torch.Size(global_shape)))
+    except (AttributeError, RuntimeError):  # a tensor subclass without a __dict__
+        pass
     return local
 
 

@@ -20,7 +20,11 @@ import torch.nn as nn
 from dtensor_lite import DeviceMesh, DTensor, Placement, Replicate, Shard, distribute_tensor
 from dtensor_lite.placements import as_placement
 
-from ._layouts import convert, local_piece, one_layout
+from dtensor_lite._tp_linear import GATHER_COLUMN, ROW_REDUCE
+from dtensor_lite._tp_norm import SEQUENCE_NORM
+
+from . import _fused
+from ._layouts import _normalized, convert, local_piece, one_layout, tagged_piece
 
 __all__ = ["ParallelStyle", "ColwiseParallel", "RowwiseParallel", "SequenceParallel",
            "PrepareModuleInput", "PrepareModuleOutput"]
@@ -121,14 +125,45 @@ class ColwiseParallel(ParallelStyle):
         weight_layout = Shard(0) if isinstance(module, nn.Linear) else Shard(1)
         distribute_params(self, module, device_mesh, {"weight": weight_layout, "bias": Shard(0)})
         who = f"ColwiseParallel({type(module).__name__})"
-        module.register_forward_pre_hook(_first_input_hook(
-            lambda mod, x: convert(x, device_mesh, self.input_layouts, self.desired_input_layouts,
-                                   use_local=False, who=who)))
+
+        def prepare_input(mod, x):
+            return convert(x, device_mesh, self.input_layouts, self.desired_input_layouts,
+                           use_local=False, who=who)
+
         produced = Shard(-1)  # made here, not per call: torch.compile wants constants made before
+        if isinstance(module, nn.Linear):
+            prepare_input = _column_fusion(self, module, device_mesh, prepare_input)
+        module.register_forward_pre_hook(_first_input_hook(prepare_input))
         module.register_forward_hook(
-            lambda mod, inputs, out: convert(out, device_mesh, produced, self.output_layouts,
-                                             self.use_local_output, who=who))
+            lambda mod, inputs, out: out if _fused.passed_through(mod, out) else
+            convert(out, device_mesh, produced, self.output_layouts, self.use_local_output,
+                    who=who))
         return module
+
+
+def _column_fusion(style, module, mesh, prepare_input):
+    """The input hook of a column-parallel Linear, which leaves a sharded DTensor input to the
+    all-gather + linear shortcut where that is the whole story (tp/_fused.py)."""
+    def args_of(mod, x):
+        last = Shard(x.ndim - 1)
+        if style.use_local_output:
+            return (x, mod.weight, mod.bias, mesh, True), lambda out: tagged_piece(
+                out, mesh, last, (*x.shape[:-1], mod.out_features))
+        return (x, mod.weight, mod.bias, mesh, False), _same
+
+    def hook(mod, x):
+        if type(x) is DTensor and _fused.eligible(mod) and \
+                _normalized(style.output_layouts, x.ndim) == Shard(x.ndim - 1):
+            _fused.note(mod, x)
+            return x
+        return prepare_input(mod, x)
+
+    _fused.install(module, GATHER_COLUMN, args_of, prepare_input)
+    return hook
+
+
+def _same(out):
+    return out
 
 
 class RowwiseParallel(ParallelStyle):
@@ -166,20 +201,47 @@ class RowwiseParallel(ParallelStyle):
                           {"weight": Shard(1) if linear else Shard(0), "bias": Replicate()})
         who = f"RowwiseParallel({type(module).__name__})"
 
-        def prepare_input(mod, x):
-            shape = None
+        def input_shape(mod, x):
             if linear and isinstance(x, torch.Tensor) and not isinstance(x, DTensor) and \
                     input_layout.is_shard() and input_layout.dim in (-1, x.ndim - 1):
-                shape = (*x.shape[:-1], mod.in_features)  # exact, even for uneven pieces
+                return (*x.shape[:-1], mod.in_features)  # exact, even for uneven pieces
+            return None
+
+        def prepare_input(mod, x, shape=None):
+            if shape is None:
+                shape = input_shape(mod, x)
             return convert(x, device_mesh, input_layout, desired, use_local=False, shape=shape,
                            who=who)
 
+        if linear:
+            prepare_input = _row_fusion(self, module, device_mesh, input_shape, prepare_input)
         module.register_forward_pre_hook(_first_input_hook(prepare_input))
         produced = Replicate()  # (a DTensor output keeps its own placements; see convert)
         module.register_forward_hook(
-            lambda mod, inputs, out: convert(out, device_mesh, produced, self.output_layouts,
-                                             self.use_local_output, who=who))
+            lambda mod, inputs, out: out if _fused.passed_through(mod, out) else
+            convert(out, device_mesh, produced, self.output_layouts, self.use_local_output,
+                    who=who))
         return module
+
+
+def _row_fusion(style, module, mesh, input_shape, prepare_input):
+    """The input hook of a row-parallel Linear, which leaves a local input to the linear +
+    reduction shortcut where that is the whole story (tp/_fused.py)."""
+    def args_of(mod, x, shape):
+        want = _normalized(style.output_layouts, x.ndim)
+        args = (x, mod.weight, mod.bias, mesh, Shard(x.ndim - 1), shape, want)
+        return args, local_piece if style.use_local_output else _same
+
+    def hook(mod, x):
+        if type(x) is torch.Tensor and _fused.eligible(mod):
+            shape = input_shape(mod, x)
+            if shape is not None:
+                _fused.note(mod, x, shape)
+                return x
+        return prepare_input(mod, x)
+
+    _fused.install(module, ROW_REDUCE, args_of, prepare_input)
+    return hook
 
 
 class SequenceParallel(ParallelStyle):
@@ -209,12 +271,40 @@ class SequenceParallel(ParallelStyle):
         distribute_params(self, module, device_mesh, {})
         layout = Shard(self.sequence_dim)
         who = f"SequenceParallel({type(module).__name__})"
-        module.register_forward_pre_hook(_first_input_hook(
-            lambda mod, x: convert(x, device_mesh, layout, layout, use_local=False, who=who)))
+
+        def prepare_input(mod, x):
+            return convert(x, device_mesh, layout, layout, use_local=False, who=who)
+
+        if isinstance(module, nn.LayerNorm):
+            prepare_input = _norm_fusion(self, module, device_mesh, prepare_input)
+        module.register_forward_pre_hook(_first_input_hook(prepare_input))
         if self.use_local_output:
             module.register_forward_hook(
                 lambda mod, inputs, out: local_piece(out) if isinstance(out, DTensor) else out)
         return module
+
+
+def _norm_fusion(style, module, mesh, prepare_input):
+    """The input hook of a sequence-parallel LayerNorm, which leaves a DTensor already laid out
+    as the style wants to the one-node layer_norm shortcut (tp/_fused.py)."""
+    def args_of(mod, x):
+        return (x, mod.normalized_shape, mod.weight, mod.bias, mod.eps), _same
+
+    def hook(mod, x):
+        if type(x) is DTensor and \
+                _fused.eligible(mod, _layer_norm_forward, 1 if style.use_local_output else 0) and \
+                x.device_mesh is mesh and \
+                x.placements == (_normalized(Shard(style.sequence_dim), x.ndim),):
+            _fused.note(mod, x)
+            return x  # what prepare_input returns for it too
+        return prepare_input(mod, x)
+
+    _fused.install(module, SEQUENCE_NORM, args_of, prepare_input, _layer_norm_forward,
+                   output_hook=False)
+    return hook
+
+
+_layer_norm_forward = nn.LayerNorm.forward
 
 
 def _layout_tuple(layouts, what: str):
