@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from dtensor_lite import Shard, distribute_tensor, init_device_mesh
-from tests.harness import launch_processes, reinit_process_group, run_distributed
+from tests.harness import COLLECTIVE_TIMEOUT, launch_processes, reinit_process_group, run_distributed
 
 BOUND = 2.0  # seconds: the desync bound in these tests
 # seconds on top of it that a loaded machine may need to exchange states. What the bound checks is
@@ -43,7 +43,11 @@ def _fresh_group(bound: float = BOUND, timeout: float = 120.0):
         yield
     finally:
         _desync.BOUND = saved
-        reinit_process_group()
+        # the ranks leave a desync at different moments (the one that saw it first, the others
+        # once told): the rendezvous waits as long as a loaded machine needs, then collectives
+        # get the pool's usual timeout back
+        reinit_process_group(datetime.timedelta(seconds=600))
+        dist.distributed_c10d._set_pg_timeout(COLLECTIVE_TIMEOUT)
         forget_posted_failure()
 
 
