@@ -8,27 +8,15 @@ import copy
 
 import pytest
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
 from dtensor_lite import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
 from dtensor_lite.debug import CommDebugMode
 from tests.harness import distributed
+from tests.test_step_fast_paths import _Block  # the sequence-parallel block both files test
 from tp import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 import tp._fused as fused
 
 _FUSED_NODES = {"_GatherColumnBackward", "_RowReduceBackward", "_SequenceLayerNormBackward"}
-
-
-class _Block(nn.Module):
-    def __init__(self, ffn: int, bias: bool):
-        super().__init__()
-        self.norm = nn.LayerNorm(8)
-        self.w1 = nn.Linear(8, ffn, bias=bias)
-        self.w2 = nn.Linear(ffn, 8, bias=bias)
-
-    def forward(self, x):
-        return x + self.w2(F.gelu(self.w1(self.norm(x))))
 
 
 def _nodes(t) -> set:
