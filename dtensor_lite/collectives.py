@@ -353,11 +353,10 @@ def sync_runner(kind: str, mesh, mesh_dim: int, dim: int, local_shape, dtype, de
             s for k, s in enumerate(local_shape) if k != dim)
 
         def collect(x, group):
-            piece, x = x, x.contiguous()
+            x = x.contiguous()
             out = x.new_empty(out_shape)
             work, _, _, hold = _issue(_all_gather_single, out, x, group=group)
             _wait_issued(work, kind, group, hold)
-            _free_copy(x, piece)
             return out.movedim(0, dim) if dim else out
     elif kind == "reduce_scatter":
         if local_shape[dim] % n or not _copies_whole_buffer(
@@ -461,21 +460,9 @@ def all_gather(tensor: torch.Tensor, mesh, mesh_dim: int, gather_dim: int = 0,
     _report("all_gather", (n - 1) * x.numel() * x.element_size(), n, mesh, mesh_dim)
 
     def finish():
-        if work is not None:
-            _free_copy(x, tensor)
         res = _unwire(_chunks_to_coord_order(out, dg), tensor)
         return res.movedim(0, gather_dim) if gather_dim else res
     return _launch("all_gather", work, finish, async_op)
-
-
-def _free_copy(sent: torch.Tensor, piece: torch.Tensor) -> None:
-    """After the wait: free ``sent`` now if it is a copy of ``piece`` made to send it (a moved
-    dim made contiguous, a wire dtype), not ``piece``'s own memory. Left to the backend, the
-    copy lives until its thread lets go of the work and a later collective retires it
-    (_inflight.retire): e.g. half the logits beside the gathered ones at the start of backward
-    (benchmarks/memory.py, dp2 x tp2)."""
-    if sent.untyped_storage().data_ptr() != piece.untyped_storage().data_ptr():
-        free_now(sent)
 
 
 def reduce_scatter(tensor: torch.Tensor, mesh, mesh_dim: int, reduce_op: str = "sum",
