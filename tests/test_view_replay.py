@@ -8,6 +8,8 @@ import torch
 
 from dtensor_lite import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
 from tests.harness import distributed
+# a local piece that is a wrapper subclass: no storage to compare, so no view replay
+from tests.test_fast_path import _Wrapper
 
 # every view a user reaches on a 2-D tensor (rows x 6): (name, call)
 _VIEWS = [
@@ -174,34 +176,14 @@ def _shortcut_of(func, x):
     return None if run is None or run is _fast_path._NO_SHORTCUT else run
 
 
-class _NoStorage(torch.Tensor):
-    """A local piece that is a wrapper subclass: no storage to compare, so no view replay."""
-
-    @staticmethod
-    def __new__(cls, inner):
-        r = torch.Tensor._make_wrapper_subclass(cls, inner.shape, strides=inner.stride(),
-                                                dtype=inner.dtype, device=inner.device)
-        r.inner = inner
-        return r
-
-    __torch_function__ = torch._C._disabled_torch_function_impl
-
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        def unwrap(a):
-            return a.inner if isinstance(a, _NoStorage) else a
-        out = func(*[unwrap(a) for a in args], **{k: unwrap(v) for k, v in (kwargs or {}).items()})
-        return _NoStorage(out) if isinstance(out, torch.Tensor) else out
-
-
 @distributed(world_size=2)
 def test_a_view_of_a_subclass_piece_runs_as_without_the_shortcut():
     from dtensor_lite import _fast_path
     mesh = init_device_mesh("cpu", (2,))
     with _fast_path.enabled():
         local = torch.arange(8.0).view(2, 4) + 8 * torch.distributed.get_rank()
-        x = DTensor.from_local(_NoStorage(local), mesh, [Shard(0)])
+        x = DTensor.from_local(_Wrapper(local), mesh, [Shard(0)])
         for _ in range(3):
             v = x.t()
-            assert type(v._local_tensor) is _NoStorage and v._base is x
+            assert type(v._local_tensor) is _Wrapper and v._base is x
             torch.testing.assert_close(v._local_tensor.inner, local.t())
