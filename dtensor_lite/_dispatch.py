@@ -51,6 +51,7 @@ __all__ = ["dispatch"]
 # its oldest combinations instead of growing
 _DECISIONS: dict = _caches.register_decisions(_caches.LRUCache(_caches.DECISIONS_MAX))
 _touch = _DECISIONS.move_to_end
+_DETACH = aten.detach.default
 _SIGN_KEYED = _registry.SIGN_KEYED
 _NUMBER_TYPES = (int, float, bool, complex)
 
@@ -140,6 +141,12 @@ def _observed(op, args, kwargs):
 def dispatch(op, args, kwargs, observed=False):
     if not observed and (RECORDERS or debug_state.COMM_SINKS):
         return _observed(op, args, kwargs)  # once; its own dispatch passes observed=True
+    if op is _DETACH and not (kwargs or COPIED_VIEWS) and type(args[0]) is DTensor and \
+            type(args[0]._local_tensor) is torch.Tensor:
+        # autograd's own detach (AccumulateGrad storing each gradient, every step): what its
+        # decision gives -- the piece's detach under the same spec -- without key or lookup
+        a = args[0]
+        return _wrap_as(a._local_tensor.detach(), a._spec)
     # The hot path: one pass over the args builds the key and collects the DTensors. Specs are
     # interned, so hashing the key never calls back into Python.
     dts: list = []

@@ -370,3 +370,30 @@ def test_gradients_accumulate_across_backward_calls():
     _close(d.grad.full_tensor(), 2 + 2 * x)
     (d ** 3).mean().backward()
     _close(d.grad.full_tensor(), 2 + 2 * x + 3 * x ** 2 / x.numel())
+
+
+@distributed(world_size=2)
+def test_detach_keeps_spec_and_aliases_the_piece():
+    """``aten.detach`` -- what AccumulateGrad calls on every gradient it stores -- returns a
+    DTensor of the same spec whose piece is a detached alias of the input's (same storage; the
+    wrapper shares the input's version counter), for every placement kind, on even and uneven pieces; its
+    gradients land in ``.grad`` with their spec and values."""
+    mesh = init_device_mesh("cpu", (2,))
+    for rows in (4, 3, 1):
+        full = torch.randn(rows, 3)
+        for pl in (Shard(0), Shard(1), Replicate(), Partial()):
+            d = DTensor.from_local(full.clone(), mesh, [pl]) if pl.is_partial() else \
+                distribute_tensor(full, mesh, [pl])
+            out = torch.ops.aten.detach.default(d)
+            assert type(out) is DTensor and out._spec is d._spec and not out.requires_grad
+            assert out._local_tensor.untyped_storage().data_ptr() == \
+                d._local_tensor.untyped_storage().data_ptr()
+            before = d._version
+            out.add_(1.0)  # through the alias: the input's version and values move with it
+            assert d._version == before + 1
+            torch.testing.assert_close(d.to_local(), out.to_local(), atol=0, rtol=0)
+    w = nn.Parameter(distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)]))
+    x = distribute_tensor(torch.randn(4, 3), mesh, [Shard(0)])
+    (w * x).sum().backward()  # the gradient x, Shard(0), stored through detach
+    assert w.grad.placements == (Shard(0),)
+    torch.testing.assert_close(w.grad.full_tensor(), x.full_tensor(), atol=0, rtol=0)
