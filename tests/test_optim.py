@@ -136,6 +136,48 @@ def test_foreach_step_reduces_partial_grads_in_one_all_reduce_per_mesh_dim():
         torch.testing.assert_close(d.full_tensor(), p.detach())
 
 
+@distributed(world_size=4)
+def test_foreach_steps_reuse_the_flat_all_reduce_grouping():
+    """The grouping into flat all-reduces is worked out once from the specs and reused by every
+    later step: each step issues one all-reduce per (mesh dim, dtype) -- float32 and float64
+    Partial gradients on one dim travel apart -- and its values equal plain SGD's, step after
+    step, with new gradients each time."""
+    mesh = _mesh()
+    torch.manual_seed(0)
+    shapes = [(5, 3), (7,), (2, 3), (4,), (3, 3)]
+    dtypes = [torch.float32, torch.float32, torch.float64, torch.float64, torch.float32]
+    full = [torch.randn(s, dtype=dt) for s, dt in zip(shapes, dtypes)]
+    plain = [nn.Parameter(t.clone()) for t in full]
+    dist_ = [nn.Parameter(distribute_tensor(t.clone(), mesh, [Replicate(), Replicate()]))
+             for t in full]
+    ref = torch.optim.SGD(plain, lr=0.1, foreach=True)
+    opt = torch.optim.SGD(dist_, lr=0.1, foreach=True)
+    issued = []
+    real_all_reduce = torch.distributed.all_reduce
+
+    def counting(tensor, *args, **kwargs):
+        issued.append(tensor.dtype)
+        return real_all_reduce(tensor, *args, **kwargs)
+
+    torch.distributed.all_reduce = counting
+    try:
+        for step in range(3):
+            for p, d in zip(plain, dist_):
+                g = torch.randn(p.shape, dtype=p.dtype)
+                p.grad = g.clone()
+                d.grad = distribute_tensor(g, mesh, [Replicate(), Replicate()]).redistribute(
+                    mesh, [Partial(), Replicate()])
+            issued.clear()
+            ref.step()
+            opt.step()
+            assert sorted(map(str, issued)) == ["torch.float32", "torch.float64"], (step, issued)
+            for p, d in zip(plain, dist_):
+                assert d.placements == (Replicate(), Replicate())
+                torch.testing.assert_close(d.full_tensor(), p.detach(), atol=0, rtol=0)
+    finally:
+        torch.distributed.all_reduce = real_all_reduce
+
+
 def _lists(mesh, placements, shapes, seed):
     torch.manual_seed(seed)
     full = [torch.randn(s) for s in shapes]

@@ -3,6 +3,7 @@ move their inputs themselves call."""
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 
@@ -75,40 +76,90 @@ def redistribute_locals(pieces, srcs, dsts, cause=None) -> list:
     one each: the collective's fixed cost (issue, wait, bookkeeping, ~0.2 ms of host time on
     gloo) is paid once. Sums are elementwise, so the values are those of separate all-reduces.
     ``cause(k)``: a context manager labelling the move of input ``k`` (CommDebugMode); a flat
-    all-reduce is labelled with its first input."""
+    all-reduce is labelled with its first input.
+
+    Which pieces share a flat all-reduce follows from the specs alone, so it is worked out once
+    per (sources, targets) (``_batching``) -- an optimizer step asks the same every step; only
+    what a piece could contradict its spec with (its shape, a trace) is checked per call."""
     out = list(pieces)
-    flat: dict = {}  # (mesh, mesh dim, dtype, device) -> indices of its pieces
-    for k, (piece, src, dst) in enumerate(zip(pieces, srcs, dsts)):
-        mesh_dim = None if dst is None else _sum_all_reduce_dim(piece, src, dst)
-        if mesh_dim is not None:
-            flat.setdefault((id(src.mesh), mesh_dim, piece.dtype, piece.device), []).append(k)
-    batched = set()
-    for (_, mesh_dim, _, _), ks in flat.items():
-        if len(ks) < 2:
-            continue
-        mesh = srcs[ks[0]].mesh
-        batched.update(ks)
-        with cause(ks[0]) if cause is not None else _NO_CAUSE:
-            reduced = C.all_reduce(torch.cat([pieces[k].reshape(-1) for k in ks]), mesh, mesh_dim)
-        for k, part in zip(ks, reduced.split([pieces[k].numel() for k in ks])):
+    key = (tuple(srcs), tuple(dsts))  # specs are interned: the key hashes in C
+    batching = _BATCHINGS.get(key)
+    if batching is None:
+        batching = _caches.remember(_BATCHINGS, key, _batching(srcs, dsts), _PLANS)
+    batches, singles = batching
+    if batches and not _fits(pieces, srcs, batches):  # a piece unlike its spec: grouped per call
+        batches, singles = _batching(srcs, dsts, pieces)
+    for ks, mesh, mesh_dim, _, sizes, run in batches:
+        flat = torch.cat([pieces[k].reshape(-1) for k in ks])
+        reduced = run(flat) if run is not None and cause is None else None
+        if reduced is None:  # a debug mode watches, or no runner: the general all-reduce
+            with cause(ks[0]) if cause is not None else _NO_CAUSE:
+                reduced = C.all_reduce(flat, mesh, mesh_dim)
+        for k, part in zip(ks, reduced.split_with_sizes(sizes)):
             out[k] = part.view(pieces[k].shape)
-    for k, (piece, src, dst) in enumerate(zip(pieces, srcs, dsts)):
-        if dst is not None and k not in batched:
-            with cause(k) if cause is not None else _NO_CAUSE:
-                out[k] = redistribute_local(piece, src, dst)
+    for k in singles:
+        with cause(k) if cause is not None else _NO_CAUSE:
+            out[k] = redistribute_local(pieces[k], srcs[k], dsts[k])
     return out
 
 
-def _sum_all_reduce_dim(piece, src, dst) -> int | None:
-    """The mesh dim, if moving ``piece`` from ``src`` to ``dst`` is exactly one sum all-reduce
-    of a piece of the spec's shape; else None (anything else -- a wrong-shaped piece included,
-    whose error ``run_plan`` raises -- goes the ordinary way)."""
+# (source specs, target specs) -> their _batching
+_BATCHINGS: dict = _caches.register_decisions({})
+
+
+def _batching(srcs, dsts, pieces=None):
+    """``(batches, singles)`` for ``redistribute_locals``: each batch ``(indices, mesh, mesh
+    dim, (dtype, device type), sizes, run)`` is two or more pieces moved by one sum all-reduce over one group, dtype
+    and device (``run``: its ``collectives.sync_runner``, or None); ``singles``, the indices
+    moved one by one. From the specs, or from ``pieces`` where given (one that contradicts
+    its spec goes alone, where its move raises the error)."""
+    flat: dict = {}  # (mesh, mesh dim, dtype, device) -> indices of its pieces
+    for k, (src, dst) in enumerate(zip(srcs, dsts)):
+        if dst is None:
+            continue
+        piece = None if pieces is None else pieces[k]
+        mesh_dim = _sum_all_reduce_dim(src, dst, piece)
+        dtype = src.dtype if piece is None else piece.dtype
+        device = src.mesh.device_type if piece is None else piece.device.type
+        flat.setdefault((id(src.mesh), mesh_dim, dtype, device), []).append(k)
+    batches, singles = [], []
+    for (_, mesh_dim, dtype, device), ks in flat.items():
+        if mesh_dim is None or len(ks) < 2:
+            singles += ks
+            continue
+        mesh = srcs[ks[0]].mesh
+        sizes = [math.prod(srcs[k].local_shape()) for k in ks]
+        run = C.sync_runner("all_reduce", mesh, mesh_dim, 0, (sum(sizes),), dtype,
+                            torch.device(device))
+        batches.append((ks, mesh, mesh_dim, (dtype, device), sizes, run))
+    return batches, sorted(singles)
+
+
+def _fits(pieces, srcs, batches) -> bool:
+    """Whether every batched piece is what its spec says (shape, dtype, device, no trace): the
+    batching made from the specs holds for these pieces."""
+    for ks, _, _, (dtype, device), _, _ in batches:
+        for k in ks:
+            piece = pieces[k]
+            if piece.shape != srcs[k].local_shape() or piece.dtype != dtype or \
+                    piece.device.type != device or is_traced(piece):
+                return False
+    return True
+
+
+def _sum_all_reduce_dim(src, dst, piece=None) -> int | None:
+    """The mesh dim, if moving a piece from ``src`` to ``dst`` is exactly one sum all-reduce
+    of a floating piece of the spec's shape (``piece``, where given, is checked to be one);
+    else None (anything else -- a wrong-shaped piece included, whose error ``run_plan`` raises
+    -- goes the ordinary way)."""
     step = _only_step(src, dst)
-    if (step is not None and step.kind == "all_reduce" and step.src.reduce_op == "sum"
-            and piece.dtype.is_floating_point and not is_traced(piece)
-            and tuple(piece.shape) == tuple(src.local_shape())):
-        return step.mesh_dim
-    return None
+    if step is None or step.kind != "all_reduce" or step.src.reduce_op != "sum" or \
+            not src.dtype.is_floating_point:
+        return None
+    if piece is not None and (piece.dtype != src.dtype or is_traced(piece) or
+                              tuple(piece.shape) != tuple(src.local_shape())):
+        return None
+    return step.mesh_dim
 
 
 def _only_step(src: DTensorSpec, dst: DTensorSpec):
