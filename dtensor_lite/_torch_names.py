@@ -203,6 +203,9 @@ disable_current_modes = private("torch.utils._python_dispatch._disable_current_m
 current_dispatch_mode_stack = private("torch.utils._python_dispatch._get_current_dispatch_mode_stack")
 get_dispatch_mode = private("torch._C._get_dispatch_mode")
 dispatch_mode_keys = private("torch._C._TorchDispatchModeKey")
+# whether a TorchFunctionMode is active: a local kernel called through torch's Python bindings
+# would show it our internal calls (shortcuts call the aten op directly then)
+torch_function_mode_enabled = private("torch._C._is_torch_function_mode_enabled", lambda: True)
 foreach_norm = private("torch._foreach_norm")
 foreach_mul_ = private("torch._foreach_mul_")
 # torch.utils._pytree: the pytree torch's own APIs flatten with

@@ -144,3 +144,35 @@ def test_fused_tp_linear_declines_where_it_could_be_seen():
         out = model(x)
     assert torch.equal(out.full_tensor(), fused_out.full_tensor())
     torch.testing.assert_close(out.full_tensor(), base(x_global))
+
+
+@distributed(world_size=2)
+def test_a_torch_function_mode_sees_no_local_kernel_of_the_shortcuts():
+    """The one-node Linear / LayerNorm run their local kernels through torch's bindings only
+    where no TorchFunctionMode is active: a user's mode sees the calls the program makes, never
+    a ``linear`` / ``native_layer_norm`` on our plain local pieces; values are those without
+    the mode."""
+    from torch.overrides import TorchFunctionMode
+
+    class _Plain(TorchFunctionMode):
+        def __init__(self):
+            super().__init__()
+            self.internal = []
+
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            name = getattr(func, "__name__", str(func))
+            tensors = [a for a in args if isinstance(a, torch.Tensor)]
+            if name in ("linear", "native_layer_norm") and tensors and \
+                    all(type(t) is torch.Tensor for t in tensors):
+                self.internal.append(name)
+            return func(*args, **(kwargs or {}))
+
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    base, x_global = _Block(12, True), torch.randn(2, 8, 8)
+    out_ref, _, _ = _train(base, x_global, mesh, fuse=True, steps=1)
+    mode = _Plain()
+    with mode:
+        out, _, _ = _train(base, x_global, mesh, fuse=True, steps=1)
+    assert mode.internal == [], mode.internal
+    _assert_same(out, out_ref)
