@@ -15,6 +15,10 @@ steps alternating so that load changes hit every row alike:
 
 * ``plain``: single-process torch on this rank's local shapes (norm on seq/n, the two linears
   with ffn/n on the whole sequence), no communication: what the arithmetic alone costs;
+* ``c10d`` (eager only): the block as hand-written sequence-parallel TP on ``torch.distributed``
+  (the collectives inside autograd Functions, the replicated parameters' gradients summed in one
+  flat all-reduce), no DTensor: the arithmetic plus the same five collectives, the floor once
+  communication is counted;
 * ``torch``: torch.distributed.tensor + its parallel styles;
 * ``ours``: dtensor_lite + tp;
 * the same two compiled (``torch.compile`` with ``aot_eager`` and ``inductor``), to show what
@@ -80,6 +84,70 @@ class _PlainLocal(nn.Module):
         return x + out[:, :x.shape[1]]  # stands in for the reduce-scatter
 
 
+class _Gather(torch.autograd.Function):
+    """All-gather of the sequence (dim 1); backward: the gradient's sum over ranks, this rank's
+    sequence piece (gloo's reduce-scatter form: an in-place all-reduce, then the slot)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return _gather_seq(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad)
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x):
+        return _reduce_scatter_seq(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad)
+
+
+def _gather_seq(x):
+    pieces = x.movedim(1, 0).contiguous()
+    out = pieces.new_empty((dist.get_world_size() * pieces.shape[0],) + pieces.shape[1:])
+    dist.all_gather_into_tensor(out, pieces)
+    return out.movedim(0, 1)
+
+
+def _reduce_scatter_seq(x):
+    whole = x.movedim(1, 0).contiguous()
+    dist.all_reduce(whole)
+    n = whole.shape[0] // dist.get_world_size()
+    return whole.narrow(0, dist.get_rank() * n, n).clone().movedim(0, 1)
+
+
+class _C10dLocal(nn.Module):
+    """The block as hand-written sequence-parallel TP on torch.distributed, no DTensor: this
+    rank's norm on its sequence piece, an all-gather, the linears (ffn/n wide), a reduce-scatter,
+    the row bias after it; the replicated parameters' gradients (norm, row bias) are summed over
+    the ranks in one flat all-reduce before the optimizer step. What the same block costs with
+    its communication but without any distributed-tensor library: the floor a DTensor
+    library's CPU time is measured against once communication is counted."""
+
+    def __init__(self, world: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(HIDDEN)
+        self.w1 = nn.Linear(HIDDEN, FFN // world)
+        self.w2 = nn.Linear(FFN // world, HIDDEN, bias=False)
+        self.b2 = nn.Parameter(torch.zeros(HIDDEN))
+
+    def forward(self, x):  # x: (batch, seq/n, hidden)
+        h = _Gather.apply(self.norm(x))
+        return x + _ReduceScatter.apply(self.w2(F.gelu(self.w1(h)))) + self.b2
+
+    def sum_replicated_grads(self):
+        params = [self.norm.weight, self.norm.bias, self.b2]
+        flat = torch.cat([p.grad.reshape(-1) for p in params])
+        dist.all_reduce(flat)
+        for p, g in zip(params, flat.split_with_sizes([p.numel() for p in params])):
+            p.grad = g.view_as(p)
+
+
 def _stack(impl):
     if impl == "ours":
         import dtensor_lite as pl
@@ -94,8 +162,8 @@ def _stack(impl):
 
 def _build(impl: str, world: int, backend: str | None):
     torch.manual_seed(0)
-    if impl == "plain":
-        model = _PlainLocal(world)
+    if impl in ("plain", "c10d"):
+        model = _PlainLocal(world) if impl == "plain" else _C10dLocal(world)
         x = torch.randn(BATCH, SEQ // world, HIDDEN, requires_grad=True)
     else:
         pl, par, init_mesh = _stack(impl)
@@ -112,14 +180,16 @@ def _build(impl: str, world: int, backend: str | None):
 
     def step():
         out = fwd(x)
-        out.sum().backward() if impl == "plain" else out.to_local().sum().backward()
+        out.to_local().sum().backward() if impl in ("torch", "ours") else out.sum().backward()
+        if impl == "c10d":
+            model.sum_replicated_grads()
         opt.step()
         opt.zero_grad()
     return step
 
 
 def _time_rows(world: int, steps: int, warmup: int, backends) -> list[dict]:
-    variants = [(impl, None) for impl in ("plain", "torch", "ours")]
+    variants = [(impl, None) for impl in ("plain", "c10d", "torch", "ours")]
     variants += [(impl, b) for b in backends for impl in ("plain", "torch", "ours")]
     runs, errors = {}, {}
     for impl, backend in variants:
@@ -198,25 +268,29 @@ def _print(rows, drop, load):
           f"SGD(foreach) + zero_grad; load {load}\ncells: median CPU ms of rank 0's main thread "
           "(what a step costs the host, without time the machine gave to other processes) / "
           "median wall ms; ratios of the CPU medians")
-    head = f"{'world':>5} {'compiled':>10} {'plain':>16} {'torch':>16} {'ours':>16} " \
-           f"{'ours/torch':>10} {'ours/plain':>10}"
+    head = f"{'world':>5} {'compiled':>10} {'plain':>16} {'c10d':>16} {'torch':>16} " \
+           f"{'ours':>16} {'ours/torch':>10} {'ours/plain':>10} {'ours/c10d':>9}"
     print(head + "\n" + "-" * len(head))
     for world in dict.fromkeys(r["world"] for r in rows):
         for mode in dict.fromkeys(r["compiled"] for r in rows):
             by = {r["impl"]: r for r in rows if r["world"] == world and r["compiled"] == mode}
 
             def cell(impl):
-                r = by[impl]
+                r = by.get(impl)
+                if r is None:
+                    return "-"
                 if r["step_ms_median"] is None:
                     return "failed"
                 return f"{r['cpu_ms_median']:.2f} / {r['step_ms_median']:.2f}"
 
             def ratio(a, b):
-                if by[a]["step_ms_median"] is None or by[b]["step_ms_median"] is None:
+                if a not in by or b not in by or by[a]["step_ms_median"] is None or \
+                        by[b]["step_ms_median"] is None:
                     return "-"
                 return f"{by[a]['cpu_ms_median'] / by[b]['cpu_ms_median']:.2f}"
-            print(f"{world:>5} {mode:>10} {cell('plain'):>16} {cell('torch'):>16} "
-                  f"{cell('ours'):>16} {ratio('ours', 'torch'):>10} {ratio('ours', 'plain'):>10}")
+            print(f"{world:>5} {mode:>10} {cell('plain'):>16} {cell('c10d'):>16} "
+                  f"{cell('torch'):>16} {cell('ours'):>16} {ratio('ours', 'torch'):>10} "
+                  f"{ratio('ours', 'plain'):>10} {ratio('ours', 'c10d'):>9}")
     for r in rows:
         if r["error"]:
             print(f"  {r['world']} ranks, {r['impl']} {r['compiled']}: {r['error']}")
