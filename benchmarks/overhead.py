@@ -84,29 +84,6 @@ class _PlainLocal(nn.Module):
         return x + out[:, :x.shape[1]]  # stands in for the reduce-scatter
 
 
-class _Gather(torch.autograd.Function):
-    """All-gather of the sequence (dim 1); backward: the gradient's sum over ranks, this rank's
-    sequence piece (gloo's reduce-scatter form: an in-place all-reduce, then the slot)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return _gather_seq(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _reduce_scatter_seq(grad)
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x):
-        return _reduce_scatter_seq(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _gather_seq(grad)
-
-
 def _gather_seq(x):
     pieces = x.movedim(1, 0).contiguous()
     out = pieces.new_empty((dist.get_world_size() * pieces.shape[0],) + pieces.shape[1:])
@@ -119,6 +96,21 @@ def _reduce_scatter_seq(x):
     dist.all_reduce(whole)
     n = whole.shape[0] // dist.get_world_size()
     return whole.narrow(0, dist.get_rank() * n, n).clone().movedim(0, 1)
+
+
+def _collective_node(name, forward, backward):
+    """An autograd Function running ``forward`` on its input, its transpose ``backward`` on the
+    gradient."""
+    return type(name, (torch.autograd.Function,), {
+        "forward": staticmethod(lambda ctx, x: forward(x)),
+        "backward": staticmethod(lambda ctx, grad: backward(grad))})
+
+
+# all-gather of the sequence (dim 1), whose backward sums the gradient over the ranks and keeps
+# this rank's piece (gloo's reduce-scatter form: an in-place all-reduce, then the slot); and the
+# reduce-scatter, whose backward is the all-gather
+_Gather = _collective_node("_Gather", _gather_seq, _reduce_scatter_seq)
+_ReduceScatter = _collective_node("_ReduceScatter", _reduce_scatter_seq, _gather_seq)
 
 
 class _C10dLocal(nn.Module):
