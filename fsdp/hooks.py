@@ -258,6 +258,7 @@ class _PreBackward:
         if group.state is not ShardState.UNSHARDED and group.unshard_in_backward:
             group.unshard()
         if group.state is ShardState.UNSHARDED:
+            group.check_lent_shards()  # gathered since forward: a shard written since is refused
             # grad-tracking tensors for a checkpointed forward that recomputes inside this
             # module (backward runs with grad off)
             with torch.enable_grad():

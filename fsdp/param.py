@@ -75,6 +75,13 @@ class FSDPParam:
         self.layout: DTensorSpec | None = None     # the sharded parameter's spec (any dtype)
         self.mp_policy = None                       # fully_shard's, resolved for this parameter
         self.keep_unsharded_storage = False         # FSDPModule.set_keep_unsharded_storage
+        # while unsharded, the local shard may live in its rows of raw (lend_shard): its own
+        # storage, byte size and offset then, and the local tensor's version when lent
+        self._own_storage: tuple | None = None
+        self._lent_version: tuple[int, int] | None = None
+        # off: keep the shard beside the gathered parameter (tests and benchmarks/memory.py
+        # compare the two paths in one process)
+        self.lends_shard = True
         self.sharded = self._shard(param)
         self._init_geometry()
         # the replaced plain parameter: another module that still refers to it (a weight tied
@@ -266,11 +273,100 @@ class FSDPParam:
     def free(self):
         """Release the unsharded data (the tensor objects stay, with empty storage) -- unless
         told to keep it (``set_keep_unsharded_storage``): then the next all-gather refills the
-        same storage, at the same addresses (what a captured CUDA graph needs)."""
+        same storage, at the same addresses (what a captured CUDA graph needs). A lent shard
+        (``lend_shard``) gets its own storage back first."""
+        self.take_back_shard()
         if self.raw is not None and not self.keep_unsharded_storage:
             self.raw.untyped_storage().resize_(0)
             for t in self.inner_tensors:
                 t.untyped_storage().resize_(0)
+
+    # ----------------------------------------------------------------- the shard inside raw
+    def can_lend_shard(self) -> bool:
+        """Whether this rank's piece is, element for element, a contiguous slice of ``raw``:
+        dim-0 shards without padding, gathered in the shard's own dtype (no mixed-precision
+        cast), no extension, not offloaded, a plain CPU tensor alone in its storage.
+        CPU only: on CUDA the shard's old storage would be freed on the compute stream while
+        the all-gather's side stream may still read it."""
+        if not (self.lends_shard and self.rows_even and self.raw is not None
+                and not self.by_extension
+                and not self.offload and not self.keep_unsharded_storage
+                and self.device.type == "cpu"):
+            return False
+        local = self.sharded._local_tensor
+        storage = local.untyped_storage()
+        # the local tensor fills its storage alone (take_back_shard puts it back at offset 0);
+        # a view into a larger buffer (a user's flat buffer) would save nothing anyway
+        return (type(local) is torch.Tensor and local.dtype == self.raw.dtype
+                and local.device == self.raw.device and local.is_contiguous()
+                and local.shape[0] == self.chunk_rows and local.numel() > 0
+                and local.storage_offset() == 0 and storage.nbytes() == local.nbytes)
+
+    def lend_shard(self):
+        """While unsharded, hold this rank's piece only once: the sharded parameter's local
+        tensor becomes a view of its rows of ``raw`` (same values: the all-gather copied them
+        there) and lets go of its own storage, which is freed unless something else holds it
+        -- the group's parameters then cost ``U_g``, not ``U_g + U_g / S``. The tensor object
+        stays (``set_``), so whoever holds the parameter (the optimizer) reads the same values.
+        Writes into the sharded parameter while lent would change the gathered one that
+        forward and backward compute with (whose ``raw.data`` aliases do not share the version
+        counter that would tell autograd), so they are detected by the local tensor's version
+        (``check_lent_shard``) and refused."""
+        if self._own_storage is not None or not self.can_lend_shard():
+            return
+        local = self.sharded._local_tensor
+        storage = local.untyped_storage()
+        # weakly: an alias of the shard taken earlier (a state dict's detach()) keeps the
+        # storage alive, and gets its values back at take_back_shard; nothing else does
+        self._own_storage = (weakref.ref(storage), storage.nbytes())
+        row0 = self.mesh_info.shard_rank * self.chunk_rows * self.row_numel
+        with torch.no_grad():
+            local.set_(self.raw.untyped_storage(), self.raw.storage_offset() + row0,
+                       local.shape, local.stride())
+        self._lent_version = self._versions()
+
+    def check_lent_shard(self):
+        """Raise if the lent shard was written (its rows of ``raw`` with it) since it was lent.
+        Called wherever the gathered parameters are about to be computed with again."""
+        if self._own_storage is not None and self._versions() != self._lent_version:
+            raise self._written_while_lent()
+
+    def _versions(self) -> tuple[int, int]:
+        """The write counts that see an in-place write into the shard: the parameter's own
+        (ops on the DTensor: autograd counts them on the wrapper, dtensor_lite's fast path as
+        well; the local op runs below autograd and counts nothing) and its local tensor's (a
+        write into ``to_local()``)."""
+        return self.sharded._version, self.sharded._local_tensor._version
+
+    def _written_while_lent(self) -> RuntimeError:
+        where = f"{type(self.owners[0][0]).__name__}." if self.owners else ""
+        return RuntimeError(
+            f"FSDP: the sharded parameter {where}{self.fqn} was modified in place while its group was "
+            "unsharded (e.g. optimizer.step() between forward and backward, or while "
+            "set_reshard_after_backward(False) kept the parameters gathered); on CPU the gathered "
+            "parameter that forward and backward use holds this rank's rows of it. Modify sharded "
+            "parameters only while resharded (after backward), or call reshard() on the module "
+            "first")
+
+    def take_back_shard(self):
+        """Undo ``lend_shard`` before ``raw`` is freed: the local tensor gets a storage of its
+        own again -- the one it had if something kept that alive (its aliases see the values
+        again), else a new one -- filled from its rows of ``raw``. A write while lent is kept
+        (as without lending); it was refused where it mattered, before the gathered parameters
+        were computed with again (``check_lent_shard``), and resharding must not raise (it is
+        also how a failed iteration is reset)."""
+        if self._own_storage is None:
+            return
+        ref, nbytes = self._own_storage
+        self._own_storage = None
+        local = self.sharded._local_tensor
+        rows = local.detach()   # a view of raw: keeps the values while the local tensor moves
+        storage = ref()
+        if storage is None:
+            storage = torch.empty(nbytes, dtype=torch.uint8, device=local.device).untyped_storage()
+        with torch.no_grad():
+            local.set_(storage, 0, rows.shape, rows.stride())
+            local.copy_(rows)
 
     def shares_storage(self, t: torch.Tensor) -> bool:
         """Whether the unsharded data lives in ``t``'s storage (an extension's zero-copy views)."""

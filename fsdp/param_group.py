@@ -193,7 +193,10 @@ class ParamGroup:
 
     def start_unshard(self):
         """Issue the all-gather (asynchronously); ``wait_unshard`` finishes it."""
-        if self.state is ShardState.UNSHARDED or self.pending_ag is not None:
+        if self.state is ShardState.UNSHARDED:
+            self.check_lent_shards()  # about to compute with the gathered parameters again
+            return
+        if self.pending_ag is not None:
             return
         info = self.mesh_info
         with torch.no_grad():
@@ -319,6 +322,8 @@ class ParamGroup:
             if pending.out is not None and pending.work is not None and \
                     not any(p.shares_storage(pending.out) for p in self.params):
                 self.streams.release(pending.out)
+            for p in self.params:
+                p.lend_shard()
         self.state = ShardState.UNSHARDED
         # unsharded <=> modules show unsharded tensors (a forward use replaces these with
         # autograd-tracked ones)
@@ -332,6 +337,12 @@ class ParamGroup:
         dsts = [p.ready_raw(layout.dtype).view(world, -1) for p in self.params]
         torch.split_with_sizes_copy(pending.out.view(world, layout.chunk), layout.sizes, dim=1,
                                     out=dsts)
+
+    def check_lent_shards(self):
+        """Before computing with parameters gathered earlier: refuse if a shard lent to them
+        (``FSDPParam.lend_shard``) was written since."""
+        for p in self.params:
+            p.check_lent_shard()
 
     def unshard(self, keep_post_forward_piece: bool = False):
         self.start_unshard()
