@@ -267,13 +267,15 @@ class ParamGroup:
 
     def _copy_out_pieces(self, pending: _PendingAllGather):
         """Fill the unsharded parameters from the gathered pieces: first free this rank's own
-        piece (its rows are copied from the shards, cast as the copy-in cast them), then each
-        other piece with one ``split_with_sizes_copy``, released right after."""
+        piece (its rows are copied from the shards, cast as the copy-in cast them, and the
+        shards lent to them), then each other piece with one ``split_with_sizes_copy``, released
+        right after."""
         me, world, layout = self.mesh_info.shard_rank, pending.world, pending.layout
         self.streams.release(pending.inp)
         rows = [p.ready_raw(layout.dtype).view(world, -1) for p in self.params]
         for p, r in zip(self.params, rows):
             r[me].copy_(p.local_tensor().reshape(-1))
+            p.lend_shard()  # now, not after the copy-out: the shard is gone before the pieces
         for k, piece in enumerate(pending.pieces):
             if k != me:
                 torch.split_with_sizes_copy(piece, layout.sizes, out=[r[k] for r in rows])
