@@ -235,8 +235,8 @@ def _kept_bytes_per_block(ac):
         block.register_forward_hook(leave(i))
     with tracker:
         logits = model(x)
-    # nor the block's shards: resharding after its forward gives a shard lent to the gathered
-    # parameters storage of its own again (fsdp.param.FSDPParam.take_back_shard), inside the window
+    # nor the block's shards: resharding after its forward gives each lent shard a storage of
+    # its own again (fsdp.param.FSDPParam.take_back_shard), inside the measured window
     with torch.no_grad():
         kept = [tracker.kept(i, exclude=[outputs[i]] + [p.to_local() for p in block.parameters()])
                 for i, block in enumerate(model.layers)]
