@@ -255,10 +255,10 @@ class _PreBackward:
         group = state.group
         if group is None:
             return None
+        group.check_unwritten()  # a shard written since forward gathered it: refused
         if group.state is not ShardState.UNSHARDED and group.unshard_in_backward:
             group.unshard()
         if group.state is ShardState.UNSHARDED:
-            group.check_lent_shards()  # gathered since forward: a shard written since is refused
             # grad-tracking tensors for a checkpointed forward that recomputes inside this
             # module (backward runs with grad off)
             with torch.enable_grad():

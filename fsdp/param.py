@@ -17,6 +17,7 @@ same storage and see the data again once it is re-gathered into it.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 
@@ -76,9 +77,11 @@ class FSDPParam:
         self.mp_policy = None                       # fully_shard's, resolved for this parameter
         self.keep_unsharded_storage = False         # FSDPModule.set_keep_unsharded_storage
         # while unsharded, the local shard may live in its rows of raw (lend_shard): its own
-        # storage, byte size and offset then, and the local tensor's version when lent
+        # storage (weakly) and byte size then
         self._own_storage: tuple | None = None
-        self._lent_version: tuple[int, int] | None = None
+        # the sharded parameter's write counts when last gathered (watch_writes): a write since
+        # leaves the gathered parameter, or a forward's saved tensors, behind (written_since_gather)
+        self._gathered_versions: tuple[int, int] | None = None
         # off: keep the shard beside the gathered parameter (tests and benchmarks/memory.py
         # compare the two paths in one process)
         self.lends_shard = True
@@ -308,10 +311,9 @@ class FSDPParam:
         there) and lets go of its own storage, which is freed unless something else holds it
         -- the group's parameters then cost ``U_g``, not ``U_g + U_g / S``. The tensor object
         stays (``set_``), so whoever holds the parameter (the optimizer) reads the same values.
-        Writes into the sharded parameter while lent would change the gathered one that
-        forward and backward compute with (whose ``raw.data`` aliases do not share the version
-        counter that would tell autograd), so they are detected by the local tensor's version
-        (``check_lent_shard``) and refused."""
+        A write into the sharded parameter while lent changes this rank's rows of the gathered
+        one; the group refuses to compute with a gathered parameter whose shard was written
+        since the gather, lent or not (``ParamGroup.check_unwritten``)."""
         if self._own_storage is not None or not self.can_lend_shard():
             return
         local = self.sharded._local_tensor
@@ -320,41 +322,16 @@ class FSDPParam:
         # storage alive, and gets its values back at take_back_shard; nothing else does
         self._own_storage = (weakref.ref(storage), storage.nbytes())
         row0 = self.mesh_info.shard_rank * self.chunk_rows * self.row_numel
-        with torch.no_grad():
+        with self._own_writes(), torch.no_grad():
             local.set_(self.raw.untyped_storage(), self.raw.storage_offset() + row0,
                        local.shape, local.stride())
-        self._lent_version = self._versions()
-
-    def check_lent_shard(self):
-        """Raise if the lent shard was written (its rows of ``raw`` with it) since it was lent.
-        Called wherever the gathered parameters are about to be computed with again."""
-        if self._own_storage is not None and self._versions() != self._lent_version:
-            raise self._written_while_lent()
-
-    def _versions(self) -> tuple[int, int]:
-        """The write counts that see an in-place write into the shard: the parameter's own
-        (ops on the DTensor: autograd counts them on the wrapper, dtensor_lite's fast path as
-        well; the local op runs below autograd and counts nothing) and its local tensor's (a
-        write into ``to_local()``)."""
-        return self.sharded._version, self.sharded._local_tensor._version
-
-    def _written_while_lent(self) -> RuntimeError:
-        where = f"{type(self.owners[0][0]).__name__}." if self.owners else ""
-        return RuntimeError(
-            f"FSDP: the sharded parameter {where}{self.fqn} was modified in place while its group was "
-            "unsharded (e.g. optimizer.step() between forward and backward, or while "
-            "set_reshard_after_backward(False) kept the parameters gathered); on CPU the gathered "
-            "parameter that forward and backward use holds this rank's rows of it. Modify sharded "
-            "parameters only while resharded (after backward), or call reshard() on the module "
-            "first")
 
     def take_back_shard(self):
         """Undo ``lend_shard`` before ``raw`` is freed: the local tensor gets a storage of its
         own again -- the one it had if something kept that alive (its aliases see the values
         again), else a new one -- filled from its rows of ``raw``. A write while lent is kept
-        (as without lending); it was refused where it mattered, before the gathered parameters
-        were computed with again (``check_lent_shard``), and resharding must not raise (it is
-        also how a failed iteration is reset)."""
+        (as without lending) and still counts as a write since the gather; resharding must not
+        raise (it is also how a failed iteration is reset)."""
         if self._own_storage is None:
             return
         ref, nbytes = self._own_storage
@@ -364,9 +341,42 @@ class FSDPParam:
         storage = ref()
         if storage is None:
             storage = torch.empty(nbytes, dtype=torch.uint8, device=local.device).untyped_storage()
-        with torch.no_grad():
+        with self._own_writes(), torch.no_grad():
             local.set_(storage, 0, rows.shape, rows.stride())
             local.copy_(rows)
+
+    # ----------------------------------------------------------------- writes since the gather
+    def watch_writes(self):
+        """The group was just gathered from the shard as it is now."""
+        self._gathered_versions = self._versions()
+
+    def written_since_gather(self) -> bool:
+        """Whether the sharded parameter was modified in place since the last gather: the
+        gathered parameter (and what a forward saved of it for backward) hold older values."""
+        return self._gathered_versions is not None and \
+            self._versions() != self._gathered_versions
+
+    @contextlib.contextmanager
+    def _own_writes(self):
+        """FSDP's own in-place ops on the local tensor (lending, taking back) are no writes of
+        the user's: a parameter unwritten before is still unwritten after."""
+        clean = not self.written_since_gather()
+        yield
+        if clean and self._gathered_versions is not None:
+            self.watch_writes()
+
+    def _versions(self) -> tuple[int, int]:
+        """The write counts that see an in-place write into the shard: the parameter's own
+        (ops on the DTensor: autograd counts them on the wrapper, dtensor_lite's fast path as
+        well; the local op runs below autograd and counts nothing) and its local tensor's (a
+        write into ``to_local()``). A write through ``.data`` counts in neither, as autograd
+        does not see it in plain torch either."""
+        return self.sharded._version, self.sharded._local_tensor._version
+
+    def describe(self) -> str:
+        """``Linear.weight``-like: the first owning module's class and the parameter's name."""
+        where = f"{type(self.owners[0][0]).__name__}." if self.owners else ""
+        return f"{where}{self.fqn}"
 
     def shares_storage(self, t: torch.Tensor) -> bool:
         """Whether the unsharded data lives in ``t``'s storage (an extension's zero-copy views)."""
