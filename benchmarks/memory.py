@@ -80,7 +80,7 @@ def build_model(layers: int, n_heads: int = 4):
 
 def _api(impl: str):
     """(init_device_mesh, fully_shard, tp styles module, parallelize_module) of one implementation."""
-    if impl == "ours":
+    if impl.startswith("ours"):
         import tp as styles
         from dtensor_lite import init_device_mesh
         from fsdp import fully_shard
@@ -134,8 +134,20 @@ def build(impl: str, cfg: Config):
     # the root with each one's default (both keep its parameters from forward to backward; an
     # explicit True would make torch's reshard them) unless the config says False
     fully_shard(model, mesh=dp_mesh, **({} if raf else {"reshard_after_forward": False}))
+    if impl == "ours_kept":
+        _keep_shards(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, foreach=True)
     return model, opt, dist.get_rank() // tp_size
+
+
+def _keep_shards(model):
+    """"ours_kept": ours with every shard kept beside its gathered parameter (no
+    ``FSDPParam.lend_shard``), the figure before lending, measured in the same run."""
+    for m in model.modules():
+        state = getattr(m, "_get_fsdp_state", None)
+        if state is not None and state().group is not None:
+            for p in state().group.params:
+                p.lends_shard = False
 
 
 def train_step(model, opt, tokens, marks=None):
@@ -185,7 +197,52 @@ def peaks(timeline) -> dict[str, int]:
     return out
 
 
-def profiled_step(model, opt, tokens) -> dict[str, int]:
+def live_at_peak(prof) -> dict[str, int]:
+    """What was live at the step's peak, in bytes by allocation site: the outermost and the
+    innermost aten op that allocated it (``"aten::linear > aten::mm"``) and the phase it was
+    allocated in ("fwd": before the forward's end, else "bwd+"); frees of blocks allocated
+    before the step count negative, as "(freed: from before the step)"."""
+    events = []
+    stack = list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        stack.extend(e.children)
+        if e.name == "[memory]" and e.extra_fields.device.type == "cpu":
+            chain, p = [], e.parent
+            while p is not None:
+                chain.append(p.name)
+                p = p.parent
+            ends = [n.replace("autograd::engine::evaluate_function: ", "")
+                    for n in (chain[-1], chain[0])] if chain else ["(no op)"]
+            site = " > ".join(dict.fromkeys(ends))
+            events.append((e.start_time_ns, e.extra_fields.alloc_size, e.extra_fields.ptr, site))
+        elif e.name == "mark::forward_end":
+            events.append((e.start_time_ns, 0, None, "forward_end"))
+    events.sort(key=lambda x: x[0])
+    total = peak = 0
+    peak_at = -1
+    for i, (_t, nbytes, _ptr, _site) in enumerate(events):
+        total += nbytes
+        if total > peak:
+            peak, peak_at = total, i
+    live: dict[int, tuple[int, str]] = {}
+    phase, freed_before = "fwd", 0
+    for _t, nbytes, ptr, site in events[:peak_at + 1]:
+        if ptr is None:
+            phase = "bwd+"
+        elif nbytes > 0:
+            live[ptr] = (nbytes, f"{phase} {site}")
+        elif ptr in live:
+            del live[ptr]
+        else:  # sized only if an earlier profiled step allocated it (the benchmark's warm-up)
+            freed_before += nbytes
+    out: dict[str, int] = {"(freed: from before the step)": freed_before}
+    for nbytes, site in live.values():
+        out[site] = out.get(site, 0) + nbytes
+    return out
+
+
+def profiled_step(model, opt, tokens, sites: bool = False) -> dict:
     from torch.profiler import record_function
 
     from dtensor_lite.quiet_profiler import memory_profile
@@ -195,10 +252,13 @@ def profiled_step(model, opt, tokens) -> dict[str, int]:
             pass
     with memory_profile() as prof:   # the profiler without its log lines
         train_step(model, opt, tokens, marks)
-    return peaks(allocation_timeline(prof))
+    out = peaks(allocation_timeline(prof))
+    if sites:
+        out["live_at_peak"] = live_at_peak(prof)
+    return out
 
 
-def bench_config(cfg: Config, impls, steps: int, warmup: int) -> list[dict]:
+def bench_config(cfg: Config, impls, steps: int, warmup: int, sites: bool = False) -> list[dict]:
     runs = {impl: build(impl, cfg) for impl in impls}
     dp_rank = runs[impls[0]][2]
     g = torch.Generator().manual_seed(1)
@@ -213,7 +273,7 @@ def bench_config(cfg: Config, impls, steps: int, warmup: int) -> list[dict]:
             model, opt, _ = runs[impl]
             dist.barrier()
             if i < warmup + steps:  # warm-up and memory steps: all under the profiler
-                figures = profiled_step(model, opt, tokens)
+                figures = profiled_step(model, opt, tokens, sites and i == warmup + steps - 1)
                 if i >= warmup:
                     mem[impl].append(figures)
                 continue
@@ -231,11 +291,12 @@ def bench_config(cfg: Config, impls, steps: int, warmup: int) -> list[dict]:
                      "peak_bytes": median("step"), "forward_peak_bytes": median("forward_end"),
                      "peak_bytes_per_step": [m["step"] for m in mem[impl]],
                      "step_ms_median": 1000 * statistics.median(times[impl]),
+                     "live_at_peak": mem[impl][-1].get("live_at_peak"),
                      "losses": losses[impl]})
     return rows
 
 
-def _run_world(world, configs, impls, steps, warmup):
+def _run_world(world, configs, impls, steps, warmup, sites=False):
     torch.set_num_threads(1)
     # torch's fully_shard warns that the test model's root returns a view (the .float() of
     # float logits); it is not modified in place here
@@ -243,7 +304,7 @@ def _run_world(world, configs, impls, steps, warmup):
     rows = []
     for cfg in configs:
         if cfg.world == world:
-            rows.extend(bench_config(cfg, impls, steps, warmup))
+            rows.extend(bench_config(cfg, impls, steps, warmup, sites))
     return rows
 
 
@@ -252,22 +313,51 @@ def table(rows) -> str:
     by_cfg: dict[str, dict[str, dict]] = {}
     for r in rows:
         by_cfg.setdefault(r["config"], {})[r["impl"]] = r
+    kept = any(r["impl"] == "ours_kept" for r in rows)  # the before-lending column, if run
     head = (f"{'config':<28} {'torch MiB':>10} {'ours MiB':>9} {'ratio':>6} "
-            f"{'fwd torch':>10} {'fwd ours':>9} {'torch ms':>9} {'ours ms':>8}")
+            + (f"{'kept MiB':>9} {'ratio':>6} " if kept else "")
+            + f"{'fwd torch':>10} {'fwd ours':>9} {'torch ms':>9} {'ours ms':>8}")
     lines = [head, "-" * len(head)]
     for cfg in by_cfg.values():
-        t, o = cfg.get("torch"), cfg.get("ours")
-        any_row = t or o
+        t, o, k = cfg.get("torch"), cfg.get("ours"), cfg.get("ours_kept")
+        any_row = t or o or k
 
         def mib(r, key):
             return f"{r[key] / MiB:.1f}" if r else "-"
 
         def ms(r):
             return f"{r['step_ms_median']:.0f}" if r else "-"
-        ratio = f"{o['peak_bytes'] / t['peak_bytes']:.2f}x" if t and o else "-"
+
+        def ratio(r):
+            return f"{r['peak_bytes'] / t['peak_bytes']:.2f}x" if t and r else "-"
+        extra = f"{mib(k, 'peak_bytes'):>9} {ratio(k):>6} " if kept else ""
         lines.append(f"{any_row['describe']:<28} {mib(t, 'peak_bytes'):>10} "
-                     f"{mib(o, 'peak_bytes'):>9} {ratio:>6} {mib(t, 'forward_peak_bytes'):>10} "
+                     f"{mib(o, 'peak_bytes'):>9} {ratio(o):>6} {extra}"
+                     f"{mib(t, 'forward_peak_bytes'):>10} "
                      f"{mib(o, 'forward_peak_bytes'):>9} {ms(t):>9} {ms(o):>8}")
+    return "\n".join(lines)
+
+
+def sites_table(rows, top: int = 14) -> str:
+    """Per config: the allocation sites live at the peak, MiB per implementation, largest first."""
+    lines = []
+    by_cfg: dict[str, dict[str, dict]] = {}
+    for r in rows:
+        by_cfg.setdefault(r["describe"], {})[r["impl"]] = r["live_at_peak"] or {}
+    for describe, per_impl in by_cfg.items():
+        impls = list(per_impl)
+        keys = sorted({k for v in per_impl.values() for k in v},
+                      key=lambda k: -max(v.get(k, 0) for v in per_impl.values()))
+        lines.append(f"\nlive at the peak: {describe} (MiB)")
+        lines.append(f"{'site':<64}" + "".join(f"{i:>11}" for i in impls))
+        for k in keys[:top]:
+            lines.append(f"{k[:64]:<64}" + "".join(
+                f"{per_impl[i].get(k, 0) / MiB:>11.2f}" for i in impls))
+        rest = keys[top:]
+        lines.append(f"{f'{len(rest)} other sites':<64}" + "".join(
+            f"{sum(per_impl[i].get(k, 0) for k in rest) / MiB:>11.2f}" for i in impls))
+        lines.append(f"{'total':<64}" + "".join(
+            f"{sum(per_impl[i].values()) / MiB:>11.2f}" for i in impls))
     return "\n".join(lines)
 
 
@@ -277,9 +367,14 @@ def main():
                         choices=[c.name for c in CONFIGS])
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--impls", nargs="+", default=["ours", "torch"], choices=["ours", "torch"])
+    parser.add_argument("--impls", nargs="+", default=["ours", "torch"],
+                        choices=["ours", "ours_kept", "torch"],
+                        help="ours_kept: ours without lending shards to gathered parameters")
     parser.add_argument("--json", default=os.path.join(os.path.dirname(__file__), "results",
                                                        "memory.json"))
+    parser.add_argument("--live-at-peak", action="store_true",
+                        help="also print what was live at the peak, by allocation site (last "
+                             "measured step)")
     args = parser.parse_args()
     configs = [c for c in CONFIGS if c.name in args.configs]
     rows = []
@@ -287,7 +382,8 @@ def main():
     for world in sorted({c.world for c in configs}):
         queue = ctx.Queue()
         mp.start_processes(_worker, args=(world, _free_port(), queue, _run_world, world, configs,
-                                          args.impls, args.steps, args.warmup),
+                                          args.impls, args.steps, args.warmup,
+                                          args.live_at_peak),
                            nprocs=world, start_method="spawn", join=True)
         rows.extend(queue.get())
     rows.sort(key=lambda r: [c.name for c in CONFIGS].index(r["config"]))
@@ -297,6 +393,8 @@ def main():
           f"{args.steps} steps; ms: median step time (unprofiled steps, implementations "
           f"alternating)\n")
     print(table(rows))
+    if args.live_at_peak:
+        print(sites_table(rows))
     os.makedirs(os.path.dirname(args.json) or ".", exist_ok=True)
     with open(args.json, "w") as f:
         json.dump({"dim": DIM, "vocab": VOCAB, "seq": SEQ, "batch_per_dp_rank": BATCH_PER_DP_RANK,

@@ -112,6 +112,10 @@ class MemoryTracker:
         if ctx is not None:
             for k, storages in ctx.memory_storages().items():
                 out[k].update(storages)
+            # a shard FSDP lent to its gathered parameter lives in that storage: it is the
+            # gathered parameter's (the shard's own storage was freed)
+            for ptr in out[UNSHARDED_PARAMS]:
+                out[SHARDED_PARAMS].pop(ptr, None)
         return out
 
     def _fsdp_ctx(self):

@@ -255,6 +255,7 @@ class _PreBackward:
         group = state.group
         if group is None:
             return None
+        group.check_unwritten()  # a shard written since forward gathered it: refused
         if group.state is not ShardState.UNSHARDED and group.unshard_in_backward:
             group.unshard()
         if group.state is ShardState.UNSHARDED:

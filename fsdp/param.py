@@ -17,6 +17,7 @@ same storage and see the data again once it is re-gathered into it.
 """
 from __future__ import annotations
 
+import contextlib
 import math
 import weakref
 
@@ -75,6 +76,15 @@ class FSDPParam:
         self.layout: DTensorSpec | None = None     # the sharded parameter's spec (any dtype)
         self.mp_policy = None                       # fully_shard's, resolved for this parameter
         self.keep_unsharded_storage = False         # FSDPModule.set_keep_unsharded_storage
+        # while unsharded, the local shard may live in its rows of raw (lend_shard): its own
+        # storage (weakly) and byte size then
+        self._own_storage: tuple | None = None
+        # the sharded parameter's write counts when last gathered (watch_writes): a write since
+        # leaves the gathered parameter, or a forward's saved tensors, behind (written_since_gather)
+        self._gathered_versions: tuple[int, int] | None = None
+        # off: keep the shard beside the gathered parameter (tests and benchmarks/memory.py
+        # compare the two paths in one process)
+        self.lends_shard = True
         self.sharded = self._shard(param)
         self._init_geometry()
         # the replaced plain parameter: another module that still refers to it (a weight tied
@@ -266,11 +276,107 @@ class FSDPParam:
     def free(self):
         """Release the unsharded data (the tensor objects stay, with empty storage) -- unless
         told to keep it (``set_keep_unsharded_storage``): then the next all-gather refills the
-        same storage, at the same addresses (what a captured CUDA graph needs)."""
+        same storage, at the same addresses (what a captured CUDA graph needs). A lent shard
+        (``lend_shard``) gets its own storage back first."""
+        self.take_back_shard()
         if self.raw is not None and not self.keep_unsharded_storage:
             self.raw.untyped_storage().resize_(0)
             for t in self.inner_tensors:
                 t.untyped_storage().resize_(0)
+
+    # ----------------------------------------------------------------- the shard inside raw
+    def can_lend_shard(self) -> bool:
+        """Whether this rank's piece is, element for element, a contiguous slice of ``raw``:
+        dim-0 shards without padding, gathered in the shard's own dtype (no mixed-precision
+        cast), no extension, not offloaded, a plain CPU tensor alone in its storage.
+        CPU only: on CUDA the shard's old storage would be freed on the compute stream while
+        the all-gather's side stream may still read it."""
+        if not (self.lends_shard and self.rows_even and self.raw is not None
+                and not self.by_extension
+                and not self.offload and not self.keep_unsharded_storage
+                and self.device.type == "cpu"):
+            return False
+        local = self.sharded._local_tensor
+        storage = local.untyped_storage()
+        # the local tensor fills its storage alone (take_back_shard puts it back at offset 0);
+        # a view into a larger buffer (a user's flat buffer) would save nothing anyway
+        return (type(local) is torch.Tensor and local.dtype == self.raw.dtype
+                and local.device == self.raw.device and local.is_contiguous()
+                and local.shape[0] == self.chunk_rows and local.numel() > 0
+                and local.storage_offset() == 0 and storage.nbytes() == local.nbytes)
+
+    def lend_shard(self):
+        """While unsharded, hold this rank's piece only once: the sharded parameter's local
+        tensor becomes a view of its rows of ``raw`` (same values: the all-gather copied them
+        there) and lets go of its own storage, which is freed unless something else holds it
+        -- the group's parameters then cost ``U_g``, not ``U_g + U_g / S``. The tensor object
+        stays (``set_``), so whoever holds the parameter (the optimizer) reads the same values.
+        A write into the sharded parameter while lent changes this rank's rows of the gathered
+        one; the group refuses to compute with a gathered parameter whose shard was written
+        since the gather, lent or not (``ParamGroup.check_unwritten``)."""
+        if self._own_storage is not None or not self.can_lend_shard():
+            return
+        local = self.sharded._local_tensor
+        storage = local.untyped_storage()
+        # weakly: an alias of the shard taken earlier (a state dict's detach()) keeps the
+        # storage alive, and gets its values back at take_back_shard; nothing else does
+        self._own_storage = (weakref.ref(storage), storage.nbytes())
+        row0 = self.mesh_info.shard_rank * self.chunk_rows * self.row_numel
+        with self._own_writes(), torch.no_grad():
+            local.set_(self.raw.untyped_storage(), self.raw.storage_offset() + row0,
+                       local.shape, local.stride())
+
+    def take_back_shard(self):
+        """Undo ``lend_shard`` before ``raw`` is freed: the local tensor gets a storage of its
+        own again -- the one it had if something kept that alive (its aliases see the values
+        again), else a new one -- filled from its rows of ``raw``. A write while lent is kept
+        (as without lending) and still counts as a write since the gather; resharding must not
+        raise (it is also how a failed iteration is reset)."""
+        if self._own_storage is None:
+            return
+        ref, nbytes = self._own_storage
+        self._own_storage = None
+        local = self.sharded._local_tensor
+        rows = local.detach()   # a view of raw: keeps the values while the local tensor moves
+        storage = ref()
+        if storage is None:
+            storage = torch.empty(nbytes, dtype=torch.uint8, device=local.device).untyped_storage()
+        with self._own_writes(), torch.no_grad():
+            local.set_(storage, 0, rows.shape, rows.stride())
+            local.copy_(rows)
+
+    # ----------------------------------------------------------------- writes since the gather
+    def watch_writes(self):
+        """The group was just gathered from the shard as it is now."""
+        self._gathered_versions = self._versions()
+
+    def written_since_gather(self) -> bool:
+        """Whether the sharded parameter was modified in place since the last gather: the
+        gathered parameter (and what a forward saved of it for backward) hold older values."""
+        return self._gathered_versions is not None and \
+            self._versions() != self._gathered_versions
+
+    @contextlib.contextmanager
+    def _own_writes(self):
+        """FSDP's own in-place ops on the local tensor (lending, taking back) are no writes of
+        the user's: a parameter unwritten before is still unwritten after."""
+        clean = not self.written_since_gather()
+        yield
+        if clean and self._gathered_versions is not None:
+            self.watch_writes()
+
+    def _versions(self) -> tuple[int, int]:
+        """The write counts that see an in-place write into the shard: the parameter's own
+        (ops on the DTensor: autograd counts them on the wrapper, dtensor_lite's fast path as
+        well; the local op runs below autograd and counts nothing) and its local tensor's (a
+        write into ``to_local()``). A write through ``.data`` counts in neither, as autograd
+        does not see it in plain torch either."""
+        return self.sharded._version, self.sharded._local_tensor._version
+
+    def describe(self) -> str:
+        """``Linear.weight``-like: the first owning module's class and the parameter's name."""
+        where = f"{type(self.owners[0][0]).__name__}." if self.owners else ""
+        return f"{where}{self.fqn}"
 
     def shares_storage(self, t: torch.Tensor) -> bool:
         """Whether the unsharded data lives in ``t``'s storage (an extension's zero-copy views)."""

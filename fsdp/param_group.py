@@ -193,7 +193,12 @@ class ParamGroup:
 
     def start_unshard(self):
         """Issue the all-gather (asynchronously); ``wait_unshard`` finishes it."""
-        if self.state is ShardState.UNSHARDED or self.pending_ag is not None:
+        if self.state is ShardState.UNSHARDED or self.uses_pending:
+            # about to compute with what was gathered, or to gather for a forward's backward
+            self.check_unwritten()
+        if self.state is ShardState.UNSHARDED:
+            return
+        if self.pending_ag is not None:
             return
         info = self.mesh_info
         with torch.no_grad():
@@ -264,13 +269,15 @@ class ParamGroup:
 
     def _copy_out_pieces(self, pending: _PendingAllGather):
         """Fill the unsharded parameters from the gathered pieces: first free this rank's own
-        piece (its rows are copied from the shards, cast as the copy-in cast them), then each
-        other piece with one ``split_with_sizes_copy``, released right after."""
+        piece (its rows are copied from the shards, cast as the copy-in cast them, and the
+        shards lent to them), then each other piece with one ``split_with_sizes_copy``, released
+        right after."""
         me, world, layout = self.mesh_info.shard_rank, pending.world, pending.layout
         self.streams.release(pending.inp)
         rows = [p.ready_raw(layout.dtype).view(world, -1) for p in self.params]
         for p, r in zip(self.params, rows):
             r[me].copy_(p.local_tensor().reshape(-1))
+            p.lend_shard()  # now, not after the copy-out: the shard is gone before the pieces
         for k, piece in enumerate(pending.pieces):
             if k != me:
                 torch.split_with_sizes_copy(piece, layout.sizes, out=[r[k] for r in rows])
@@ -319,6 +326,9 @@ class ParamGroup:
             if pending.out is not None and pending.work is not None and \
                     not any(p.shares_storage(pending.out) for p in self.params):
                 self.streams.release(pending.out)
+            for p in self.params:
+                p.lend_shard()
+                p.watch_writes()
         self.state = ShardState.UNSHARDED
         # unsharded <=> modules show unsharded tensors (a forward use replaces these with
         # autograd-tracked ones)
@@ -332,6 +342,37 @@ class ParamGroup:
         dsts = [p.ready_raw(layout.dtype).view(world, -1) for p in self.params]
         torch.split_with_sizes_copy(pending.out.view(world, layout.chunk), layout.sizes, dim=1,
                                     out=dsts)
+
+    def check_unwritten(self):
+        """Refuse to compute with parameters gathered before an in-place write into their
+        shards, or to gather them for the backward of a forward that ran before such a write.
+
+        Plain torch's autograd refuses the latter (a parameter saved for backward and modified
+        in place since: "one of the variables needed for gradient computation has been modified
+        by an inplace operation"); here the forward saved the gathered parameter, which the
+        write did not touch (or touched only this rank's rows, where the shard is lent), so
+        autograd cannot see it. The former would compute with stale values. Both are checked
+        from the shards' version counters (``FSDPParam.written_since_gather``)."""
+        for p in self.params:
+            if p.written_since_gather():
+                raise self._written_error(p)
+
+    def _written_error(self, p: FSDPParam) -> RuntimeError:
+        name = p.describe()
+        if self.uses_pending:
+            return RuntimeError(
+                f"FSDP: the sharded parameter {name} was modified by an in-place operation after "
+                "a forward that used it and before that forward's backward (e.g. optimizer.step() "
+                "or load_state_dict() between forward and backward). As plain PyTorch refuses a "
+                "parameter saved for backward that was modified in place, backward cannot use "
+                "it: modify parameters after backward, or run the forward again after modifying "
+                "them (reset_iter_state() first, to drop this iteration)")
+        return RuntimeError(
+            f"FSDP: the sharded parameter {name} was modified in place while its group was kept "
+            "gathered (set_reshard_after_backward(False) or unshard()); the gathered parameter this module would compute with holds the values "
+            "from before the write. Reshard before modifying parameters: call reshard() on the "
+            "module, or set_reshard_after_backward(True) before the last backward, before "
+            "optimizer.step()")
 
     def unshard(self, keep_post_forward_piece: bool = False):
         self.start_unshard()

@@ -235,7 +235,11 @@ def _kept_bytes_per_block(ac):
         block.register_forward_hook(leave(i))
     with tracker:
         logits = model(x)
-    kept = [tracker.kept(i, exclude=[outputs[i]]) for i in range(len(model.layers))]
+    # nor the block's shards: resharding after its forward gives each lent shard a storage of
+    # its own again (fsdp.param.FSDPParam.take_back_shard), inside the measured window
+    with torch.no_grad():
+        kept = [tracker.kept(i, exclude=[outputs[i]] + [p.to_local() for p in block.parameters()])
+                for i, block in enumerate(model.layers)]
     logits.sum().backward()
     return kept
 

@@ -2,6 +2,7 @@
 model, CPU offload, gradient clipping and state dicts."""
 import copy
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -191,8 +192,10 @@ def test_state_dict_exposes_dtensors_and_loads():
 
 @distributed(world_size=2)
 def test_state_dict_between_forward_and_backward():
-    """The root keeps its gathered parameters from forward to backward; a state dict taken or
-    loaded in between still sees the sharded DTensors, and the backward still matches."""
+    """The root keeps its gathered parameters from forward to backward; a state dict taken in
+    between still sees the sharded DTensors, and the backward still matches. Loading one in
+    between writes the parameters in place, which plain torch's backward refuses (a saved
+    parameter modified in place): so does ours, and reset_iter_state() recovers."""
     ref = Net()
     model = shard_net(copy.deepcopy(ref), make_mesh((2,)))
     x = data()
@@ -201,7 +204,6 @@ def test_state_dict_between_forward_and_backward():
     for k, v in sd.items():
         assert isinstance(v, DTensor) and v.placements == (Shard(0),), k
         torch.testing.assert_close(v.full_tensor(), ref.state_dict()[k])
-    model.load_state_dict(sd)                  # in place, into the sharded parameters
     loss.backward()
     ref(x).sum().backward()
     for (name, p), p_ref in zip(model.named_parameters(), ref.parameters()):
@@ -209,6 +211,18 @@ def test_state_dict_between_forward_and_backward():
         # each rank's loss sums its rows; FSDP averages over the 2 ranks
         torch.testing.assert_close(p.grad.full_tensor() * 2, p_ref.grad, rtol=1e-5, atol=1e-6,
                                    msg=lambda m: f"grad of {name}: {m}")
+
+    plain = copy.deepcopy(ref)
+    loss = plain(x).sum()
+    plain.load_state_dict(plain.state_dict())
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
+    loss = model(my_rows(x)).sum()
+    model.load_state_dict(model.state_dict())   # in place, into the sharded parameters
+    with pytest.raises(RuntimeError, match="modified by an in-place operation after a forward"):
+        loss.backward()
+    model.reset_iter_state()
+    model(my_rows(x)).sum().backward()
 
 
 @distributed(world_size=2)

@@ -47,10 +47,16 @@ class Net(nn.Module):
         return self.head(h)
 
 
-def build(layout: str, reshard_after_forward: bool):
+def build(layout: str, reshard_after_forward: bool, ac: bool = False):
+    """``Net`` under fully_shard (each block, then the root) on ``layout``; ``ac``: every block
+    checkpointed (non-reentrant ``checkpoint_wrapper``, applied before fully_shard)."""
     import tp
     torch.manual_seed(0)
     net = Net()
+    if ac:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+        for i, b in enumerate(net.blocks):
+            net.blocks[i] = checkpoint_wrapper(b, preserve_rng_state=False)
     world = torch.distributed.get_world_size()
     if layout == "hsdp":
         dp_mesh = init_device_mesh("cpu", (2, world // 2), mesh_dim_names=("replicate", "shard"))
@@ -238,3 +244,101 @@ def test_all_gather_pieces_are_freed_by_the_copy_out():
         assert torch.equal(p.raw, p.sharded.full_tensor())
     group.reshard()
     assert group.unsharded_nbytes() == 0
+
+
+# ----------------------------------------------------------------------------- lent shards
+# While a group is unsharded, a parameter whose shard is exactly its rows of the gathered tensor
+# (dim 0, no padding, no cast) holds those bytes once: the shard's local tensor is a view of them
+# (fsdp.param.FSDPParam.lend_shard). Checked against the same model with lending off.
+
+def _lending(net, on: bool):
+    for m in net.modules():
+        state = getattr(m, "_get_fsdp_state", None)
+        if state is not None and state().group is not None:
+            for p in state().group.params:
+                p.lends_shard = on
+
+
+def _lent(p) -> bool:
+    local = p.sharded._local_tensor
+    return p.raw is not None and local.numel() > 0 and p.raw.untyped_storage().nbytes() > 0 \
+        and local.untyped_storage().data_ptr() == p.raw.untyped_storage().data_ptr()
+
+
+@distributed(world_size=4, timeout=180)
+@pytest.mark.parametrize("layout,raf", [("fsdp", True), ("fsdp", False), ("fsdp", 2),
+                                        ("hsdp", True), ("2d", False)],
+                         ids=["fsdp-raf", "fsdp-no-raf", "fsdp-raf2", "hsdp", "2d-no-raf"])
+def test_lent_shards_train_bit_equal_to_kept_shards(layout, raf):
+    """Three AdamW steps with lending on and off give bit-equal parameters and gradients; between
+    forward and backward the groups that stay gathered hold their even shards only inside the
+    gathered tensors (uneven ones keep their own); an alias of a shard taken before (a state
+    dict's value) still aliases it after every step."""
+    nets = [build(layout, raf), build(layout, raf)]
+    _lending(nets[1], False)
+    opts = [torch.optim.AdamW(n.parameters(), lr=1e-2) for n in nets]
+    alias = nets[0].state_dict()["blocks.0.up.weight"]     # a detach() of the sharded parameter
+    gen = torch.Generator().manual_seed(torch.distributed.get_rank())
+    for _ in range(3):
+        x = torch.randn(4, H, generator=gen)
+        for net, opt, on in zip(nets, opts, (True, False)):
+            loss = net(x).square().mean()
+            kept = [g for g in [net._get_fsdp_state().group] +
+                    [b._get_fsdp_state().group for b in net.blocks]
+                    if g.state is ShardState.UNSHARDED]
+            assert kept  # the root at least
+            for g in kept:
+                for p in g.params:
+                    assert _lent(p) == (on and p.rows_even), p.fqn
+            loss.backward()
+            assert not any(_lent(p) for g in kept for p in g.params)
+            opt.step()
+            opt.zero_grad(set_to_none=False)
+        for p, q in zip(nets[0].parameters(), nets[1].parameters()):
+            assert torch.equal(p.to_local(), q.to_local())
+            assert torch.equal(p.grad.to_local(), q.grad.to_local())
+        weight = nets[0].blocks[0].up.weight
+        assert alias.to_local().data_ptr() == weight.to_local().data_ptr()
+        assert torch.equal(alias.to_local(), weight.to_local())
+
+
+@distributed(world_size=2, timeout=120)
+def test_lent_shards_free_their_bytes_while_gathered():
+    """reshard_after_forward=False keeps every block gathered until its backward: the end of
+    forward holds exactly one shard less of every even parameter than with lending off (the
+    profiler's allocator events, same model and input); mixed precision gathers another dtype,
+    so nothing is lent there."""
+    from benchmarks.memory import allocation_timeline, peaks
+    from dtensor_lite.quiet_profiler import memory_profile
+    from fsdp import MixedPrecisionPolicy
+
+    x = torch.randn(4, H)
+    net = build("fsdp", False)
+    totals, lent_bytes = [], 0
+    for on in (True, False):
+        _lending(net, on)
+        # warm caches; under the profiler, as benchmarks/memory.py does: it sizes a free only
+        # of a block allocated while it ran (here the shards given back at reshard)
+        with memory_profile():
+            net(x).square().mean().backward()
+        with memory_profile() as prof:
+            loss = net(x).square().mean()
+        totals.append(peaks(allocation_timeline(prof))["end"])
+        if on:
+            lent_bytes = sum(p.sharded._local_tensor.nbytes for b in net.blocks
+                             for p in b._get_fsdp_state().group.params if _lent(p))
+        loss.backward()
+        del loss  # not freed inside the next profile
+    block_shard = sum(p.to_local().nbytes for p in net.blocks[0].parameters())
+    assert lent_bytes == BLOCKS * block_shard  # every block parameter is even on 2 ranks
+    assert totals[1] - totals[0] == lent_bytes + sum(
+        p.to_local().nbytes for p in [net.inp.weight, net.inp.bias])  # + the root's even ones
+
+    torch.manual_seed(0)
+    net = Net()
+    fully_shard(net, mesh=init_device_mesh("cpu", (2,)),
+                mp_policy=MixedPrecisionPolicy(param_dtype=torch.bfloat16))
+    net.unshard()
+    group = net._get_fsdp_state().group
+    assert group.state is ShardState.UNSHARDED and not any(_lent(p) for p in group.params)
+    net.reshard()

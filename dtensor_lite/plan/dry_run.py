@@ -8,6 +8,12 @@ it is a dry run: the mesh is a ``"meta"`` mesh over a fake process group of the 
 so every decision (shard sizes, FSDP groups, redistribute plans) is the one a real run makes,
 while no tensor holds data and no collective moves any.
 
+Memory is counted by storage, so a category holds the same bytes in a real run on any device.
+The peak above the start is a CUDA run's: a CPU run lends each even shard to its gathered FSDP
+group (``fsdp/param.py``, ``lend_shard``: the shard's own storage is freed while the group is
+gathered), so its peak is lower by the shards of the groups gathered at that moment; the dry run
+does not model that, the layouts it plans being for accelerators.
+
 The figures are those of one rank (``rank``, default 0). Ranks differ only through uneven shards,
 and ``torch.chunk``'s layout gives every mesh coordinate 0 the largest piece of each tensor dim,
 so rank 0's bytes are the maximum over ranks; pass another ``rank`` to see its own.
@@ -190,7 +196,10 @@ def _report(meter: StepMeter, mesh, rank, link_model, compute_model,
     times = overlap(compute_s, by_dim, set(overlapped_dims))
     notes = [f"figures of rank {rank}" + (" (the largest pieces: torch.chunk gives mesh "
                                           "coordinate 0 the biggest shard, so this is the "
-                                          "maximum over ranks)" if rank == 0 else "")]
+                                          "maximum over ranks)" if rank == 0 else ""),
+             "categories are those of a run on any device; the peak is a CUDA run's: on CPU, "
+             "FSDP lends each even shard to its gathered group (fsdp/param.py lend_shard), so "
+             "a CPU run's peak is lower by the shards of the groups gathered at it"]
     return DryRunReport(mesh=dict(mesh), rank=rank,
                         bytes={c: meter.bytes.get(c, 0) for c in CATEGORIES}, comm=comm,
                         flops=meter.flops, compute_s=compute_s, comm_s_by_dim=by_dim, **times,

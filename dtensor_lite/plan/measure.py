@@ -13,7 +13,9 @@ Categories are those of :mod:`dtensor_lite.memory_categories` (shared with the m
   ``comm_buffers`` here, being reduce-scatter inputs).
 * ``optimizer_state``: storages of every tensor in ``optimizer.state`` after the step.
 * ``activations``: storages created during forward (and the loss) that are still alive when
-  backward begins, other than parameters: what autograd, activation checkpointing (the inputs it
+  backward begins, other than parameters (a sharded parameter's storage made in forward -- FSDP
+  gives a shard it lent to the gathered parameter a storage of its own again at reshard, see
+  fsdp/param.py ``lend_shard`` -- is a parameter's, counted once in ``sharded_params``): what autograd, activation checkpointing (the inputs it
   keeps, the outputs selective checkpointing saves) and the loss hold for backward. Seen by a
   dispatch mode that notes every fresh output storage; backward begins at the first op the
   autograd engine runs (no saved-tensor hooks: a hook's packed tensor can hold its own node, a
@@ -56,6 +58,17 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 def _storage(t: torch.Tensor):
     return _local(t).untyped_storage()
+
+
+def _holds(storages: dict[int, weakref.ref], s) -> bool:
+    """Whether ``s`` is one of ``storages`` (key -> weakref): the same storage, not a freed
+    one's key reused."""
+    ref = storages.get(s._cdata)
+    return ref is not None and ref() is not None   # alive: no other storage has its key
+
+
+def _alive(storages: dict[int, weakref.ref]) -> set[int]:
+    return {key for key, ref in storages.items() if ref() is not None}
 
 
 def storage_bytes(tensors) -> int:
@@ -211,7 +224,11 @@ class StepMeter:
         self.peak_bytes = 0   # see the class docstring
         self.comm = _SamplingComm(self)
         self._mode = _StepMode(self._end_forward)
-        self._sharded: set[int] = set()
+        # storage key -> weakref, as a storage's key (its address) is reused once it is freed:
+        # the sharded parameters' and buffers' at the start (FSDP frees a shard it lends to its
+        # gathered parameter, fsdp/param.py lend_shard), and the gathered ones seen in forward
+        self._sharded: dict[int, weakref.ref] = {}
+        self._at_start: list[torch.Tensor] = []   # the sharded parameters (read between steps)
         self._unsharded: dict[int, weakref.ref] = {}
         self._peak_unsharded = 0
         self._handles = []
@@ -228,13 +245,16 @@ class StepMeter:
         for p in module._parameters.values():
             if isinstance(p, torch.Tensor):
                 s = _storage(p)
-                if s._cdata not in self._sharded and s._cdata not in self._unsharded:
+                if not _holds(self._sharded, s) and not _holds(self._unsharded, s):
                     self._unsharded[s._cdata] = weakref.ref(s)
         self.sample()
 
     def _end_forward(self):
         self._mode.recording = False
-        exclude = self._sharded | set(self._unsharded)
+        # the sharded parameters' storages now, not only at the start: a shard FSDP lent to its
+        # gathered parameter got a new storage of its own at reshard, inside forward
+        now = {_storage(p)._cdata for p in self._at_start}
+        exclude = now | _alive(self._sharded) | _alive(self._unsharded)
         self.bytes[ACTIVATIONS] = self._mode.live_bytes(exclude)
         self.sample()
 
@@ -254,9 +274,9 @@ class StepMeter:
 
     # ---------------------------------------------------------------- context
     def __enter__(self):
-        params = self._params()
-        self._sharded = {_storage(p)._cdata for p in params}
-        self._sharded |= {_storage(b)._cdata for b in self.model.buffers()}
+        params = self._at_start = self._params()
+        self._sharded = {s._cdata: weakref.ref(s)
+                         for s in map(_storage, [*params, *self.model.buffers()])}
         self.bytes = {SHARDED_PARAMS: storage_bytes(params), GRADIENTS: 0, OPTIMIZER_STATE: 0,
                       ACTIVATIONS: 0, UNSHARDED_PARAMS: 0, COMM_BUFFERS: 0}
         self._handles = [
@@ -267,6 +287,11 @@ class StepMeter:
         self._mode.__enter__()
         self._mode.recording = True
         self._mode.tracking = True
+        for p in params:
+            # from before the step: freeing one lowers the total below the start (FSDP frees a
+            # shard it lends to the gathered parameter, and allocates it again at reshard)
+            s = _storage(p)
+            self._mode._track(s._cdata, s, new=False)
         resize, mode, unsharded = torch.UntypedStorage.resize_, self._mode, self._unsharded
 
         def counted_resize(storage, nbytes):
