@@ -369,10 +369,12 @@ class ParamGroup:
                 "them (reset_iter_state() first, to drop this iteration)")
         return RuntimeError(
             f"FSDP: the sharded parameter {name} was modified in place while its group was kept "
-            "gathered (set_reshard_after_backward(False) or unshard()); the gathered parameter this module would compute with holds the values "
-            "from before the write. Reshard before modifying parameters: call reshard() on the "
-            "module, or set_reshard_after_backward(True) before the last backward, before "
-            "optimizer.step()")
+            "gathered (set_reshard_after_backward(False), unshard(), or a forward run with "
+            "autograd recording whose backward never came, e.g. an evaluation outside "
+            "torch.no_grad()); the gathered parameter this module would compute with holds the "
+            "values from before the write. Reshard before modifying parameters: call reshard() "
+            "on the module, set_reshard_after_backward(True) before the last backward, or run "
+            "forwards without a backward under torch.no_grad()")
 
     def unshard(self, keep_post_forward_piece: bool = False):
         self.start_unshard()

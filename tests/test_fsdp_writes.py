@@ -127,6 +127,27 @@ def test_write_while_kept_gathered_after_backward_is_refused_until_resharded():
         opt.step()
 
 
+@distributed(world_size=2, timeout=180)
+def test_a_forward_without_backward_then_a_step_is_refused_with_what_to_do():
+    """A forward that records autograd and never gets its backward (an evaluation outside
+    torch.no_grad()) leaves the root group gathered; an optimizer step then would leave the
+    next forward with the values from before it: refused, saying so; the same evaluation under
+    torch.no_grad() is fine."""
+    x = torch.randn(4, H)
+    net = build("fsdp", True)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-2)
+    net(x).square().mean().backward()
+    with torch.no_grad():
+        net(x)  # evaluation without autograd: nothing kept gathered
+    opt.step()
+    opt.zero_grad()
+    net(x).square().mean().backward()
+    net(x)  # recorded, never backpropagated
+    opt.step()
+    with pytest.raises(RuntimeError, match="backward never came.*torch.no_grad"):
+        net(x)
+
+
 def _cycle(net, opt, x):
     """Per step: two accumulated micro-batches (no sync, kept gathered), a synced one, the
     optimizer step, zero_grad, a state dict round trip."""
