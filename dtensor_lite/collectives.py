@@ -259,6 +259,7 @@ def _check_buffers_agree(collective, args, group) -> None:
                               group=group, async_op=True)
     Pending((work, time.perf_counter(), group, hold), lambda: None, "check_collectives").wait()
     if (rows == rows[0]).all():
+        free_now(rows, row)  # read: freed now, not when gloo's thread lets go (see _free_sent)
         return
     ranks = dist.get_process_group_ranks(group)
     table = dict(zip(ranks, rows.tolist()))
@@ -353,10 +354,11 @@ def sync_runner(kind: str, mesh, mesh_dim: int, dim: int, local_shape, dtype, de
             s for k, s in enumerate(local_shape) if k != dim)
 
         def collect(x, group):
-            x = x.contiguous()
-            out = x.new_empty(out_shape)
-            work, _, _, hold = _issue(_all_gather_single, out, x, group=group)
+            sent = x.contiguous()
+            out = sent.new_empty(out_shape)
+            work, _, _, hold = _issue(_all_gather_single, out, sent, group=group)
             _wait_issued(work, kind, group, hold)
+            _free_sent(sent, x)
             return out.movedim(0, dim) if dim else out
     elif kind == "reduce_scatter":
         if local_shape[dim] % n or not _copies_whole_buffer(
@@ -460,9 +462,22 @@ def all_gather(tensor: torch.Tensor, mesh, mesh_dim: int, gather_dim: int = 0,
     _report("all_gather", (n - 1) * x.numel() * x.element_size(), n, mesh, mesh_dim)
 
     def finish():
+        if work is not None:
+            _free_sent(x, tensor)
         res = _unwire(_chunks_to_coord_order(out, dg), tensor)
         return res.movedim(0, gather_dim) if gather_dim else res
     return _launch("all_gather", work, finish, async_op)
+
+
+def _free_sent(sent: torch.Tensor, piece: torch.Tensor) -> None:
+    """After the wait: free ``sent`` now if it is a buffer made here to send ``piece`` (a moved
+    dim made contiguous, a wire dtype, chunks put in group order), not ``piece``'s own memory:
+    nothing but the backend's private alias refers to it then. Left to the alias, it lives until
+    gloo's thread lets go of the work and a later collective retires it (``_inflight.retire``),
+    longer or shorter by that thread's timing: e.g. half the logits beside the gathered ones at
+    the start of backward (benchmarks/memory.py, dp2 x tp2)."""
+    if sent.untyped_storage().data_ptr() != piece.untyped_storage().data_ptr():
+        free_now(sent)
 
 
 def reduce_scatter(tensor: torch.Tensor, mesh, mesh_dim: int, reduce_op: str = "sum",
@@ -557,6 +572,8 @@ def all_to_all(tensor: torch.Tensor, mesh, mesh_dim: int, split_dim: int, cat_di
     _report("all_to_all", (n - 1) * (x.numel() // n) * x.element_size(), n, mesh, mesh_dim)
 
     def finish():
+        if work is not None:
+            _free_sent(x, tensor)
         res = _unwire(_chunks_to_coord_order(out, dg), tensor).movedim(0, split_dim)
         # received pieces are stacked along split_dim; lay them side by side along cat_dim
         return torch.cat(res.chunk(n, dim=split_dim), dim=cat_dim)
