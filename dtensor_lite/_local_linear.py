@@ -140,10 +140,16 @@ def _local_linear_kernel(xl, wl, bl):
     ``decompose``; a subclass piece (whose ``__torch_function__`` could take ``F.linear`` over)
     or an active TorchFunctionMode (which would see our internal call) gets ``decompose``,
     which runs the composite whatever the pieces' hooks, as the general path's ops would."""
-    if type(xl) is torch.Tensor and type(wl) is torch.Tensor and \
-            (bl is None or type(bl) is torch.Tensor) and not _mode_on():
-        return _linear(xl, wl, bl)
-    return _composite(xl, wl, bl)
+    return (_linear if bindings_see_plain(xl, wl, bl) else _composite)(xl, wl, bl)
+
+
+_PLAIN = (torch.Tensor, type(None))
+
+
+def bindings_see_plain(*pieces) -> bool:
+    """Whether a local kernel may go through torch's Python bindings: every piece a plain
+    tensor (or None) and no TorchFunctionMode active (see ``_local_linear_kernel``)."""
+    return all(type(p) in _PLAIN for p in pieces) and not _mode_on()
 
 
 def backward_local(ctx, g):

@@ -19,6 +19,7 @@ import torch
 
 from . import _caches
 from . import _torch_names as torch_names
+from ._local_linear import bindings_see_plain
 from ._shortcuts import NOT_TAKEN, shortcut
 from ._tp_linear import _watched
 from ._unseen import unseen_fn
@@ -41,8 +42,6 @@ _PARTIAL = (Partial(),)
 _PLANS_BY_SPECS: dict = _caches.register_decisions({})
 _NO = object()
 _native_layer_norm = torch.native_layer_norm
-_mode_on = torch_names.torch_function_mode_enabled
-_PLAIN = (torch.Tensor, type(None))
 
 
 @shortcut(SEQUENCE_NORM)
@@ -88,9 +87,8 @@ class _SequenceLayerNorm(torch.autograd.Function):
         xl = x._local_tensor
         wl = None if w is None else w._local_tensor
         bl = None if b is None else b._local_tensor
-        plain = type(xl) is torch.Tensor and type(wl) in _PLAIN and type(bl) in _PLAIN
         # torch's binding reaches the same kernel at a lower call cost (see _local_linear)
-        out, mean, rstd = (_native_layer_norm if plain and not _mode_on() else
+        out, mean, rstd = (_native_layer_norm if bindings_see_plain(xl, wl, bl) else
                            aten.native_layer_norm.default)(xl, shape, wl, bl, eps)
         ctx.save_for_backward(xl, mean, rstd, wl, bl)
         ctx.spec, ctx.shape, ctx.plan, ctx.w, ctx.b = x._spec, shape, plan, w, b

@@ -80,7 +80,8 @@ def redistribute_locals(pieces, srcs, dsts, cause=None) -> list:
 
     Which pieces share a flat all-reduce follows from the specs alone, so it is worked out once
     per (sources, targets) (``_batching``) -- an optimizer step asks the same every step; only
-    what a piece could contradict its spec with (its shape, a trace) is checked per call."""
+    what a piece could contradict its spec with (shape, dtype, device, a trace) is checked per
+    call."""
     out = list(pieces)
     key = (tuple(srcs), tuple(dsts))  # specs are interned: the key hashes in C
     batching = _BATCHINGS.get(key)
@@ -109,8 +110,9 @@ _BATCHINGS: dict = _caches.register_decisions({})
 
 def _batching(srcs, dsts, pieces=None):
     """``(batches, singles)`` for ``redistribute_locals``: each batch ``(indices, mesh, mesh
-    dim, (dtype, device type), sizes, run)`` is two or more pieces moved by one sum all-reduce over one group, dtype
-    and device (``run``: its ``collectives.sync_runner``, or None); ``singles``, the indices
+    dim, (dtype, device type), sizes, run)`` is two or more pieces moved by one sum all-reduce
+    over one group, dtype and device (``run``: its ``collectives.sync_runner``, or None);
+    ``singles``, the indices
     moved one by one. From the specs, or from ``pieces`` where given (one that contradicts
     its spec goes alone, where its move raises the error)."""
     flat: dict = {}  # (mesh, mesh dim, dtype, device) -> indices of its pieces
