@@ -29,6 +29,7 @@ import zlib
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as _c10d
 
 from . import _inflight
 from ._inflight import free_now
@@ -343,7 +344,8 @@ def sync_runner(kind: str, mesh, mesh_dim: int, dim: int, local_shape, dtype, de
     cached per spec pair. None where a call must take the general function. ``run`` returns
     None (nothing issued) while a debug mode watches collectives, for a piece of another shape
     (the general path raises the error) or dtype, or one that belongs to a trace: the caller then takes
-    the general path, which reports, checks and traces. The result never aliases the piece."""
+    the general path, which reports, checks and traces. The result never aliases the piece.
+    It calls the process group's own methods (see ``_direct_applies``)."""
     dg = mesh.dim_group(mesh_dim)
     n = dg.size
     if n == 1 or dg.group is None or not dg.is_sorted or dtype in _WIRE_DTYPES or \
@@ -356,8 +358,9 @@ def sync_runner(kind: str, mesh, mesh_dim: int, dim: int, local_shape, dtype, de
         def collect(x, group):
             sent = x.contiguous()
             out = sent.new_empty(out_shape)
-            work, _, _, hold = _issue(_all_gather_single, out, sent, group=group)
-            _wait_issued(work, kind, group, hold)
+            hold = _held(group, out, sent)
+            _wait_direct(group.all_gather_single(hold[0], hold[1], _GATHER), group,
+                         "all_gather_single", kind, hold)
             _free_sent(sent, x)
             return out.movedim(0, dim) if dim else out
     elif kind == "reduce_scatter":
@@ -369,28 +372,65 @@ def sync_runner(kind: str, mesh, mesh_dim: int, dim: int, local_shape, dtype, de
         def collect(x, group):
             # gloo's form (see reduce_scatter): the copy all-reduced, this rank's slot copied out
             x = x.clone(memory_format=torch.contiguous_format)
-            work, _, _, hold = _issue(_all_reduce_in_place, x, op=dist.ReduceOp.SUM,
-                                      group=group)
-            _wait_issued(work, kind, group, hold)
+            hold = _held(group, x)
+            _wait_direct(group.allreduce(hold, _SUM), group, "_all_reduce_in_place", kind, hold)
             piece = x.narrow(0, slot * chunk, chunk).clone()
             free_now(x)
             return piece.movedim(0, dim) if dim else piece
     elif kind == "all_reduce":
         def collect(x, group):
             x = x.clone(memory_format=torch.contiguous_format)
-            work, _, _, hold = _issue(dist.all_reduce, x, op=dist.ReduceOp.SUM, group=group)
-            _wait_issued(work, kind, group, hold)
+            hold = _held(group, x)
+            _wait_direct(group.allreduce(hold, _SUM), group, "all_reduce", kind, hold)
             return x
     else:
         return None
 
     def run(piece):
         if COMM_SINKS or TIMERS or CHECKING or is_traced(piece) or piece.shape != local_shape \
-                or piece.dtype != dtype:
+                or piece.dtype != dtype or not _direct_applies():
             return None
         # dim_group per call: a mesh whose groups were destroyed raises its clear error
         return collect(piece.movedim(dim, 0) if dim else piece, mesh.dim_group(mesh_dim).group)
     return run
+
+
+# The synchronous runners call the process group's methods themselves, with these options,
+# rather than through dist.all_reduce / dist.all_gather_single: those re-check per call what a
+# runner checked when it was made (one plain, contiguous, real tensor of a known shape and dtype,
+# a group this rank is in) and cost ~15-25 us more per collective on CPU. Issued asynchronously
+# and waited for in slices, like every collective here.
+_SUM = _c10d.AllreduceOptions()
+_SUM.reduceOp, _SUM.asyncOp = dist.ReduceOp.SUM, True
+_GATHER = _c10d.AllgatherOptions()
+_GATHER.asyncOp = True
+_tf_mode_on = torch._C._is_torch_function_mode_enabled
+
+
+def _direct_applies() -> bool:
+    """What dist's functions would do besides the method call is nothing: no TorchFunctionMode
+    to hand the collective to (e.g. non-strict export's, which maps it to a functional one) and
+    no ``_coalescing_manager`` collecting collectives to issue as one."""
+    return not (_tf_mode_on() or _c10d._world.pg_coalesce_state)
+
+
+def _held(group, *tensors) -> list:
+    """Private aliases of ``tensors`` for the backend (``_inflight``), once ``group`` is known
+    to communicate (as in ``_issue``)."""
+    if NO_COMM_GROUPS and group in NO_COMM_GROUPS:
+        _refuse_fake(group)
+    hold: list = []
+    for t in tensors:
+        _inflight.private(t, hold)
+    return hold
+
+
+def _wait_direct(work, group, name: str, kind: str, hold: list) -> None:
+    """What ``_issue`` does after the issue and ``_wait_issued`` does, for ``work`` from a
+    method of ``group`` called on the aliases ``hold`` (``name``: as ``_desync`` records it)."""
+    if _desync.RECORDING:
+        issued(work, group, name)
+    _wait_issued(work, kind, group, hold)
 
 
 def then(result, fn):

@@ -153,13 +153,16 @@ def test_foreach_steps_reuse_the_flat_all_reduce_grouping():
     ref = torch.optim.SGD(plain, lr=0.1, foreach=True)
     opt = torch.optim.SGD(dist_, lr=0.1, foreach=True)
     issued = []
-    real_all_reduce = torch.distributed.all_reduce
+    # counted where every all-reduce reaches the backend, whatever Python issued it
+    group_class = torch.distributed.ProcessGroup
+    real_all_reduce = group_class.allreduce
+    descriptor = group_class.__dict__["allreduce"]  # restored as it was (it binds the group)
 
-    def counting(tensor, *args, **kwargs):
-        issued.append(tensor.dtype)
-        return real_all_reduce(tensor, *args, **kwargs)
+    def counting(group, tensors, *args, **kwargs):
+        issued.extend(t.dtype for t in tensors)
+        return real_all_reduce(group, tensors, *args, **kwargs)
 
-    torch.distributed.all_reduce = counting
+    group_class.allreduce = counting
     try:
         for step in range(3):
             for p, d in zip(plain, dist_):
@@ -175,7 +178,7 @@ def test_foreach_steps_reuse_the_flat_all_reduce_grouping():
                 assert d.placements == (Replicate(), Replicate())
                 torch.testing.assert_close(d.full_tensor(), p.detach(), atol=0, rtol=0)
     finally:
-        torch.distributed.all_reduce = real_all_reduce
+        group_class.allreduce = descriptor
 
 
 def _lists(mesh, placements, shapes, seed):
