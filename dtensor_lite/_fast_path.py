@@ -59,6 +59,7 @@ from ._quick_call import cheaper_spelling as _cheaper_spelling, const as _const,
 from ._dispatch import _Decision
 from ._view_replay import view_runner
 from .dtensor import DTensor, use_torch_function
+from .ops import _registry
 
 __all__ = ["torch_function"]
 
@@ -76,6 +77,7 @@ _dispatch_modes = N.len_torch_dispatch_stack
 _autocast = N.is_any_autocast_enabled
 _make_wrapper = N.make_wrapper_subclass
 _fwad = torch.autograd.forward_ad
+_BY_FUNCTION = _registry.BY_FUNCTION
 _INPLACE_VIEW = torch.Tag.inplace_view
 _increment_version = N.increment_version
 _RECORDERS = _dispatch.RECORDERS  # the list itself: learns append to and remove from it in place
@@ -99,7 +101,12 @@ _ORDINARY: set = _caches.register_decisions(set())
 # key -> _Replay or _NO_SHORTCUT; cleared with the decisions the replays hold, and when full
 _SHORTCUTS: dict = _caches.register_decisions({})
 def _ordinary(func, types_, args, kwargs):
-    """The call the ordinary way: through autograd to ``__torch_dispatch__``."""
+    """The call the ordinary way: through autograd to ``__torch_dispatch__``; for a function
+    whose op is intercepted (``F.linear`` and the like, ops/_registry.py), what the op's
+    autograd kernel would run."""
+    intercept = _BY_FUNCTION.get(func)
+    if intercept is not None:
+        return intercept(*args, **(kwargs or {}))
     if type(func) in _BUILTIN_TYPES:
         if func in _LIST_OVERLOADED:
             # re-parsed by _skip_hop, a list of DTensors matches the ScalarList overload first
@@ -511,6 +518,7 @@ def install(on: bool = True) -> None:
         >>> _fast_path.install()
     """
     use_torch_function(torch_function if on else None)
+    _registry.hook_intercepts(on)
     _use_descriptors(on)
     _fast_methods.install(on, torch_function, DTensor)
 

@@ -201,3 +201,48 @@ def test_metadata_reads_answer_as_without_the_hook():
     with _fast_path.enabled(False):
         assert "shape" not in DTensor.__dict__
         assert reads(a) == on
+
+
+@distributed(world_size=2)
+def test_linear_and_attention_are_intercepted_for_dtensors_only():
+    # F.linear and F.scaled_dot_product_attention on DTensors run dtensor_lite's own forms
+    # (a row-local linear keeps Shard(0) without a gather; attention runs in the DTensor scope)
+    # with the hook installed or not; with it, plain calls keep torch's own autograd kernels
+    # (no Python kernel in front of every F.linear of the process). Calls the hook cannot see
+    # (C++ callers, torch function off) run the op's decomposition, as PyTorch's DTensor does.
+    from dtensor_lite import _fast_path
+    has_kernel = torch._C._dispatch_has_kernel_for_dispatch_key
+    rank = torch.distributed.get_rank()
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    x, w, b = torch.randn(5, 6), torch.randn(4, 6), torch.randn(4)  # 5 rows: pieces of 3 and 2
+    q, k, v = (torch.randn(2, 4, 8, 16) for _ in range(3))
+    xr, wr, br = (t.clone().requires_grad_() for t in (x, w, b))
+    ref = F.linear(xr, wr, br)
+    ref.sum().backward()
+    ref_att = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    for hook in (True, False):
+        with _fast_path.enabled(hook):
+            for op in ("aten::linear", "aten::scaled_dot_product_attention"):
+                assert has_kernel(op, "AutogradCPU") is not hook, (op, hook)
+            assert has_kernel("aten::one_hot", "AutogradCPU")  # rare in plain code: always
+            dx = distribute_tensor(x, mesh, [Shard(0)]).requires_grad_()
+            dw = distribute_tensor(w, mesh, [Replicate()]).requires_grad_()
+            db = distribute_tensor(b, mesh, [Replicate()]).requires_grad_()
+            out = F.linear(dx, dw, db)
+            assert out.placements == (Shard(0),), (hook, out.placements)
+            # a 6-term dot product per element on either side: float32 default tolerances
+            torch.testing.assert_close(out.to_local(), ref.detach()[:3] if rank == 0 else
+                                       ref.detach()[3:])
+            out.to_local().sum().backward()
+            torch.testing.assert_close(dx.grad.full_tensor(), xr.grad)
+            torch.testing.assert_close(dw.grad.full_tensor(), wr.grad)
+            torch.testing.assert_close(db.grad.full_tensor(), br.grad)
+            dq, dk, dv = (distribute_tensor(t, mesh, [Shard(1)]) for t in (q, k, v))
+            att = F.scaled_dot_product_attention(dq, dk, dv, is_causal=True)
+            assert att.placements == (Shard(1),)
+            torch.testing.assert_close(att.full_tensor(), ref_att)
+            with torch._C.DisableTorchFunctionSubclass():  # no hook: the decomposition
+                unseen = F.linear(distribute_tensor(x, mesh, [Shard(0)]), dw.detach(),
+                                  db.detach())
+            torch.testing.assert_close(unseen.full_tensor(), ref.detach())

@@ -217,7 +217,8 @@ def _sdpa_on_dtensors(op, args, kwargs):
         return op.decompose(*args, **kwargs)
 
 
-intercept_composite(SDPA, lambda *args, **kwargs: _sdpa_on_dtensors(SDPA, args, kwargs))
+intercept_composite(SDPA, lambda *args, **kwargs: _sdpa_on_dtensors(SDPA, args, kwargs),
+                    torch.nn.functional.scaled_dot_product_attention)
 
 
 @register_rule(SDPA, SDPA_MATH)

@@ -163,7 +163,7 @@ def _linear_on_dtensors(input, weight, bias=None):
     return rows(input, weight) if bias is None else rows(input, weight, bias)
 
 
-intercept_composite(aten.linear.default, _linear_on_dtensors)
+intercept_composite(aten.linear.default, _linear_on_dtensors, torch.nn.functional.linear)
 
 
 @register_rule(aten.linear.default)
