@@ -180,8 +180,8 @@ def intercept_composite(op, dtensor_fn, function=None):
     never touches a DTensor. So an op given its Python ``function`` (e.g. ``F.linear``) is
     intercepted by DTensor's ``__torch_function__`` instead, which only calls with a DTensor
     reach, while that hook is installed (``_fast_path``); calls it does not see (from C++, or
-    inside a trace, where Dynamo does not call the hook) run the op's decomposition on
-    DTensors, as PyTorch's DTensor does. Without the hook (``DTENSOR_LITE_FAST_PATH=0``) the
+    with subclass torch functions disabled) run the op's decomposition on DTensors, as
+    PyTorch's DTensor does. Without the hook (``DTENSOR_LITE_FAST_PATH=0``) the
     autograd kernels are registered for these ops too. Without autograd keys (inference mode)
     the op reaches the dispatcher whole: register a rule for it as well."""
     def on_dtensors(*args, **kwargs):
