@@ -231,6 +231,9 @@ def test_linear_and_attention_are_intercepted_for_dtensors_only():
             db = distribute_tensor(b, mesh, [Replicate()]).requires_grad_()
             out = F.linear(dx, dw, db)
             assert out.placements == (Shard(0),), (hook, out.placements)
+            by_name = F.linear(input=dx, weight=dw, bias=db)  # keywords reach it as they are
+            assert by_name.placements == (Shard(0),) and torch.equal(by_name.to_local(),
+                                                                      out.to_local())
             # a 6-term dot product per element on either side: float32 default tolerances
             torch.testing.assert_close(out.to_local(), ref.detach()[:3] if rank == 0 else
                                        ref.detach()[3:])
@@ -241,6 +244,9 @@ def test_linear_and_attention_are_intercepted_for_dtensors_only():
             dq, dk, dv = (distribute_tensor(t, mesh, [Shard(1)]) for t in (q, k, v))
             att = F.scaled_dot_product_attention(dq, dk, dv, is_causal=True)
             assert att.placements == (Shard(1),)
+            torch.testing.assert_close(att.full_tensor(), ref_att)
+            att = F.scaled_dot_product_attention(query=dq, key=dk, value=dv, attn_mask=None,
+                                                 is_causal=True, scale=None)
             torch.testing.assert_close(att.full_tensor(), ref_att)
             with torch._C.DisableTorchFunctionSubclass():  # no hook: the decomposition
                 unseen = F.linear(distribute_tensor(x, mesh, [Shard(0)]), dw.detach(),
