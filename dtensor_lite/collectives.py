@@ -7,6 +7,11 @@ are equal-sized chunks: callers pad uneven shards (``torch.chunk`` layout makes 
 Group ranks follow sorted global ranks (``new_group`` sorts them) while meshes may list ranks in
 any order, so results are reordered into mesh-coordinate order where the two differ.
 
+The synchronous runners of cached redistribute plans (``sync_runner``) call the process group's
+own methods (``ProcessGroup.allreduce`` / ``all_gather_single``) rather than dist's functions:
+what those add per call is argument checking the runner did once, and their TorchFunctionMode
+and coalescing hand-offs, for which a runner takes dist's functions (``_direct_applies``).
+
 Every collective is issued asynchronously and wrapped in a ``Pending``: ``async_op=True`` hands
 it back (``wait()`` blocks until the bytes arrived and returns the finished result), otherwise it
 is waited on at once. So one place sees when each collective was issued, how long the caller was
