@@ -206,6 +206,9 @@ dispatch_mode_keys = private("torch._C._TorchDispatchModeKey")
 # whether a TorchFunctionMode is active: a local kernel called through torch's Python bindings
 # would show it our internal calls (shortcuts call the aten op directly then)
 torch_function_mode_enabled = private("torch._C._is_torch_function_mode_enabled", lambda: True)
+# dist's world state: its collective functions queue a collective instead of issuing it while a
+# ``_coalescing_manager`` collects for the group (``pg_coalesce_state``, read per call)
+c10d_world = private("torch.distributed.distributed_c10d._world", None)
 foreach_norm = private("torch._foreach_norm")
 foreach_mul_ = private("torch._foreach_mul_")
 # torch.utils._pytree: the pytree torch's own APIs flatten with

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as _c10d
 
-from . import _inflight
+from . import _inflight, _torch_names as torch_names
 from ._inflight import free_now
 from .compile_support import is_traced
 from ._failures import group_backend, wait_work
@@ -409,14 +409,16 @@ _SUM = _c10d.AllreduceOptions()
 _SUM.reduceOp, _SUM.asyncOp = dist.ReduceOp.SUM, True
 _GATHER = _c10d.AllgatherOptions()
 _GATHER.asyncOp = True
-_tf_mode_on = torch._C._is_torch_function_mode_enabled
+_tf_mode_on = torch_names.torch_function_mode_enabled  # (True where torch cannot say)
+_c10d_world = torch_names.c10d_world
 
 
 def _direct_applies() -> bool:
     """What dist's functions would do besides the method call is nothing: no TorchFunctionMode
     to hand the collective to (e.g. non-strict export's, which maps it to a functional one) and
-    no ``_coalescing_manager`` collecting collectives to issue as one."""
-    return not (_tf_mode_on() or _c10d._world.pg_coalesce_state)
+    no ``_coalescing_manager`` collecting collectives to issue as one (a torch that does not
+    say: dist's functions)."""
+    return not (_tf_mode_on() or getattr(_c10d_world, "pg_coalesce_state", True))
 
 
 def _held(group, *tensors) -> list:
