@@ -139,6 +139,9 @@ from dtensor_lite.debug import ExposedCommMode
 from fsdp import fully_shard
 
 how = sys.argv[1]
+# Ctrl-C as a terminal delivers it, whatever disposition the process inherited: one started from
+# a test runner that runs as a background job inherits SIGINT ignored, and would train on
+signal.signal(signal.SIGINT, signal.default_int_handler)
 torch.set_num_threads(1)
 dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))
 rank = dist.get_rank()
