@@ -22,6 +22,7 @@ from dtensor_lite import DTensor, Partial, Replicate, Shard, _inflight, init_dev
 from dtensor_lite import collectives as C
 from dtensor_lite.debug import check_collectives
 from dtensor_lite.quiet_profiler import memory_profile
+from tests._spies import FunctionNames, process_group_calls
 from tests.harness import distributed
 
 
@@ -128,16 +129,6 @@ def test_the_check_of_check_collectives_frees_its_rows():
     assert _freed(rows) == _freed(row) == (piece.device.type == "cpu")
 
 
-class _SeesCollectives(torch.overrides.TorchFunctionMode):
-    def __init__(self):
-        super().__init__()
-        self.names = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.names.append(getattr(func, "__name__", str(func)))
-        return func(*args, **(kwargs or {}))
-
-
 @distributed(world_size=2)
 def test_cached_moves_call_the_process_group_unless_something_would_see_the_call():
     """A cached plan's collective (the three sync runners: all-gather, reduce-scatter,
@@ -151,20 +142,6 @@ def test_cached_moves_call_the_process_group_unless_something_would_see_the_call
         (piece, Shard(1), Replicate(), whole),
         (whole * (me + 1), Partial(), Shard(0), (whole * 3).chunk(2)[me]),
         (whole * (me + 1), Partial(), Replicate(), whole * 3)]
-    group_class = dist.ProcessGroup
-    methods = ("allreduce", "all_gather_single")
-    saved = {m: group_class.__dict__[m] for m in methods}
-    called = []
-
-    def counting(name):
-        real = getattr(group_class, name)
-
-        def method(group, *args, **kwargs):
-            called.append(name)
-            return real(group, *args, **kwargs)
-        return method
-    for m in methods:
-        setattr(group_class, m, counting(m))
     general, issued = C._issue, []  # dist's functions are called from here
 
     def issue(*args, **kwargs):
@@ -172,20 +149,19 @@ def test_cached_moves_call_the_process_group_unless_something_would_see_the_call
         return general(*args, **kwargs)
     C._issue = issue
     try:
-        for local, src, dst, want in cases:
-            dt = DTensor.from_local(local, mesh, [src])
-            dt.redistribute(mesh, [dst])  # the plan and its runner cached
-            called.clear()
-            issued.clear()
-            got = dt.redistribute(mesh, [dst]).to_local()
-            assert torch.equal(got, want) and len(called) == 1 and not issued, (
-                src, dst, called, issued)
-            with _SeesCollectives() as mode:
+        with process_group_calls("allreduce", "all_gather_single") as called:
+            for local, src, dst, want in cases:
+                dt = DTensor.from_local(local, mesh, [src])
+                dt.redistribute(mesh, [dst])  # the plan and its runner cached
+                called.clear()
+                issued.clear()
                 got = dt.redistribute(mesh, [dst]).to_local()
-            assert torch.equal(got, want) and issued
-            assert any(n in ("all_reduce", "all_gather_single", "all_gather_into_tensor")
-                       for n in mode.names), mode.names
+                assert torch.equal(got, want) and len(called) == 1 and not issued, (
+                    src, dst, called, issued)
+                with FunctionNames() as mode:
+                    got = dt.redistribute(mesh, [dst]).to_local()
+                assert torch.equal(got, want) and issued
+                assert any(n in ("all_reduce", "all_gather_single", "all_gather_into_tensor")
+                           for n in mode.names), mode.names
     finally:
         C._issue = general
-        for m, descriptor in saved.items():
-            setattr(group_class, m, descriptor)

@@ -5,9 +5,9 @@ see / skip the call as without them; uninstalling leaves torch's methods."""
 import operator
 
 import torch
-from torch.overrides import TorchFunctionMode
 
 from dtensor_lite import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
+from tests._spies import FunctionNames
 from tests.harness import distributed
 
 
@@ -109,16 +109,6 @@ def test_in_place_methods_bump_versions_and_autograd_sees_the_write():
             assert "modified by an inplace operation" in str(e)
 
 
-class _Seen(TorchFunctionMode):
-    def __init__(self):
-        super().__init__()
-        self.funcs = []
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        self.funcs.append(getattr(func, "__name__", str(func)))
-        return func(*args, **(kwargs or {}))
-
-
 @distributed(world_size=2)
 def test_modes_and_disabled_hooks_see_the_calls_as_without_the_methods():
     from dtensor_lite import _fast_path
@@ -128,12 +118,12 @@ def test_modes_and_disabled_hooks_see_the_calls_as_without_the_methods():
         a, b = distribute_tensor(x, mesh, [Shard(0)]), distribute_tensor(y, mesh, [Shard(0)])
         for _ in range(2):
             a + b, a.sum(1)  # learned and replayed before the mode is on
-        with _Seen() as mode:
+        with FunctionNames() as mode:
             out = a + b
             total = a.sum(1)
-        with _fast_path.enabled(False), _Seen() as without:
+        with _fast_path.enabled(False), FunctionNames() as without:
             a + b, a.sum(1)
-        assert mode.funcs == without.funcs and "sum" in mode.funcs, (mode.funcs, without.funcs)
+        assert mode.names == without.names and "sum" in mode.names, (mode.names, without.names)
         torch.testing.assert_close(out.full_tensor(), x + y)
         torch.testing.assert_close(total.full_tensor(), x.sum(1))
         with torch._C.DisableTorchFunctionSubclass():

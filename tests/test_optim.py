@@ -10,6 +10,7 @@ import torch.nn as nn
 from dtensor_lite import (Partial, Replicate, Shard, _StridedShard, distribute_tensor,
                           init_device_mesh)
 from dtensor_lite.debug import CommDebugMode
+from tests._spies import process_group_calls
 from tests.harness import distributed
 
 # uneven shards, empty shards (3 rows on 2x2), one dim split by two mesh dims in both orders
@@ -152,33 +153,22 @@ def test_foreach_steps_reuse_the_flat_all_reduce_grouping():
              for t in full]
     ref = torch.optim.SGD(plain, lr=0.1, foreach=True)
     opt = torch.optim.SGD(dist_, lr=0.1, foreach=True)
-    issued = []
     # counted where every all-reduce reaches the backend, whatever Python issued it
-    group_class = torch.distributed.ProcessGroup
-    real_all_reduce = group_class.allreduce
-    descriptor = group_class.__dict__["allreduce"]  # restored as it was (it binds the group)
-
-    def counting(group, tensors, *args, **kwargs):
-        issued.extend(t.dtype for t in tensors)
-        return real_all_reduce(group, tensors, *args, **kwargs)
-
-    group_class.allreduce = counting
-    try:
+    with process_group_calls("allreduce") as calls:
         for step in range(3):
             for p, d in zip(plain, dist_):
                 g = torch.randn(p.shape, dtype=p.dtype)
                 p.grad = g.clone()
                 d.grad = distribute_tensor(g, mesh, [Replicate(), Replicate()]).redistribute(
                     mesh, [Partial(), Replicate()])
-            issued.clear()
+            calls.clear()
             ref.step()
             opt.step()
+            issued = [t.dtype for _, (tensors, *_) in calls for t in tensors]
             assert sorted(map(str, issued)) == ["torch.float32", "torch.float64"], (step, issued)
             for p, d in zip(plain, dist_):
                 assert d.placements == (Replicate(), Replicate())
                 torch.testing.assert_close(d.full_tensor(), p.detach(), atol=0, rtol=0)
-    finally:
-        group_class.allreduce = descriptor
 
 
 def _lists(mesh, placements, shapes, seed):

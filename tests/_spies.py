@@ -1,0 +1,45 @@
+"""Spies the tests share: which torch functions a TorchFunctionMode is shown, and which calls
+reach the process group's own methods."""
+import contextlib
+
+import torch.distributed as dist
+from torch.overrides import TorchFunctionMode
+
+
+class FunctionNames(TorchFunctionMode):
+    """A mode that records the name of every torch function called under it (``names``) and
+    runs it unchanged."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.names.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+@contextlib.contextmanager
+def process_group_calls(*methods):
+    """Every call of the ``ProcessGroup`` methods named (``"allreduce"``, ...) inside the block,
+    as ``(method, args)`` in order: where every collective reaches the backend, whatever Python
+    issued it. The methods are restored after (as the descriptors they were: they bind the
+    group)."""
+    group_class = dist.ProcessGroup
+    saved = {m: group_class.__dict__[m] for m in methods}
+    calls = []
+
+    def spy(name):
+        real = getattr(group_class, name)
+
+        def method(group, *args, **kwargs):
+            calls.append((name, args))
+            return real(group, *args, **kwargs)
+        return method
+    for m in methods:
+        setattr(group_class, m, spy(m))
+    try:
+        yield calls
+    finally:
+        for m, descriptor in saved.items():
+            setattr(group_class, m, descriptor)
