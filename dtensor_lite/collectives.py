@@ -179,7 +179,10 @@ class Pending:
 NO_COMM_GROUPS: dict = {}
 
 
-def _refuse_fake(group) -> None:
+def _refuse_if_fake(group) -> None:
+    """Raise, naming the ranks, if ``group`` is one of ``NO_COMM_GROUPS``."""
+    if not NO_COMM_GROUPS or group not in NO_COMM_GROUPS:
+        return
     raise RuntimeError(
         f"a collective was asked of the mesh dim over ranks {list(NO_COMM_GROUPS[group])}, whose "
         "process group has backend 'fake' (init_device_mesh / _unflatten backend_override): a fake "
@@ -191,8 +194,7 @@ def _issue(collective, *args, group, **kwargs):
     """Issue ``collective`` asynchronously: (its work, when the issue call began, the group, the
     tensors the backend holds until it lets go of the work). The backend gets private aliases of
     the tensor arguments, released only once it let go of them (see _inflight.py)."""
-    if NO_COMM_GROUPS and group in NO_COMM_GROUPS:
-        _refuse_fake(group)
+    _refuse_if_fake(group)
     if CHECKING:
         _check_buffers_agree(collective, args, group)
     started = time.perf_counter()
@@ -424,8 +426,7 @@ def _direct_applies() -> bool:
 def _held(group, *tensors) -> list:
     """Private aliases of ``tensors`` for the backend (``_inflight``), once ``group`` is known
     to communicate (as in ``_issue``)."""
-    if NO_COMM_GROUPS and group in NO_COMM_GROUPS:
-        _refuse_fake(group)
+    _refuse_if_fake(group)
     hold: list = []
     for t in tensors:
         _inflight.private(t, hold)
