@@ -509,7 +509,8 @@ def install(on: bool = True) -> None:
 
     Installed at import unless the environment sets ``DTENSOR_LITE_FAST_PATH=0``; without it,
     every call on a DTensor goes straight to ``__torch_dispatch__`` (same results, more
-    overhead per call).
+    overhead per call). A torch without ``torch._C._skip_one_hop_torch_function`` (older than
+    the supported range) never gets the shortcut.
 
     Example::
 
@@ -517,6 +518,8 @@ def install(on: bool = True) -> None:
         >>> _fast_path.uninstall()   # e.g. to rule the shortcut out while debugging
         >>> _fast_path.install()
     """
+    # the ordinary way of a call (_skip_hop) needs that torch name: without it, no shortcut
+    on = on and _skip_hop is not None
     use_torch_function(torch_function if on else None)
     _registry.hook_intercepts(on)
     _use_descriptors(on)

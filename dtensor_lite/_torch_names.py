@@ -169,7 +169,8 @@ TorchDispatchMode = private_class("torch.utils._python_dispatch.TorchDispatchMod
 VariableFunctions = private("torch._C._VariableFunctions")
 no_dispatch = private("torch.utils._mode_utils.no_dispatch")
 disabled_torch_function_impl = private("torch._C._disabled_torch_function_impl")
-skip_one_hop_torch_function = private("torch._C._skip_one_hop_torch_function")
+# None on a torch without it (2.11 and older): the dispatch shortcut (_fast_path) then stays off
+skip_one_hop_torch_function = private("torch._C._skip_one_hop_torch_function", None)
 len_torch_dispatch_stack = private("torch._C._len_torch_dispatch_stack")
 len_torch_function_stack = private("torch._C._len_torch_function_stack")
 is_torch_function_enabled = private("torch._C._is_torch_function_enabled")

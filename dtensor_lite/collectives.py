@@ -359,6 +359,8 @@ def sync_runner(kind: str, mesh, mesh_dim: int, dim: int, local_shape, dtype, de
             dtype.is_complex or dtype == torch.bool or not local_shape:
         return None
     if kind == "all_gather":
+        if not _PG_GATHERS_SINGLE:
+            return None
         out_shape = (n * local_shape[dim],) + tuple(
             s for k, s in enumerate(local_shape) if k != dim)
 
@@ -411,6 +413,7 @@ _SUM = _c10d.AllreduceOptions()
 _SUM.reduceOp, _SUM.asyncOp = dist.ReduceOp.SUM, True
 _GATHER = _c10d.AllgatherOptions()
 _GATHER.asyncOp = True
+_PG_GATHERS_SINGLE = hasattr(_c10d.ProcessGroup, "all_gather_single")  # (not on torch 2.11)
 _tf_mode_on = torch_names.torch_function_mode_enabled  # (True where torch cannot say)
 _c10d_world = torch_names.c10d_world
 
