@@ -346,19 +346,36 @@ class _Waiter(threading.Thread):
 
     def run(self):
         while True:
-            work, done, errors = self.jobs.get()
+            work, stream, done, errors = self.jobs.get()
             try:
-                work.wait()
+                with _on_stream(stream):
+                    work.wait()
             except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
                 errors.append(e)
             # drop the work (and the buffers it keeps alive) before the waiting thread goes on
-            work = None
+            work = stream = None
             _IDLE_WAITERS.append(self)
             done.set()
             done = errors = None
 
 
 _IDLE_WAITERS: list[_Waiter] = []
+
+
+def _current_cuda_stream():
+    """The calling thread's current CUDA stream (None in a process that never used CUDA).
+
+    A work over device tensors ends its ``wait()`` by ordering the *waiting thread's* current
+    stream after the collective's copies (gloo copies device tensors through the host on its own
+    streams). Streams are per thread: a waiter thread would order its own default stream, not the
+    one the caller reads the result on (FSDP reads a reduce-scatter's output on a side stream),
+    and the caller would read the buffer before the result was copied in -- silently wrong. So
+    the waiter waits on the caller's stream."""
+    return torch.cuda.current_stream() if torch.cuda.is_initialized() else None
+
+
+def _on_stream(stream):
+    return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
 def _wait_on_thread(work, kind: str, group) -> None:
@@ -368,7 +385,7 @@ def _wait_on_thread(work, kind: str, group) -> None:
         waiter = _Waiter()
         waiter.start()
     done, errors = threading.Event(), []
-    waiter.jobs.put((work, done, errors))
+    waiter.jobs.put((work, _current_cuda_stream(), done, errors))
     watch = None
     try:
         while not done.wait(_POLL_SECONDS):

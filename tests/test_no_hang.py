@@ -409,6 +409,43 @@ def test_a_slice_running_out_is_never_a_failure():
     assert unsliced == ("ok", ""), unsliced
 
 
+class _StreamRecordingWork:
+    """A completed work that records which CUDA stream is current on the thread that waits for
+    it: a work over device tensors orders *that* stream after its copies (gloo copies them
+    through the host on streams of its own)."""
+
+    def __init__(self):
+        self.streams = []
+
+    def is_completed(self) -> bool:
+        return True
+
+    def wait(self, timeout=None):
+        self.streams.append(torch.cuda.current_stream() if torch.cuda.is_initialized() else None)
+        return True
+
+
+def _thread_waits_order_the_callers_stream():
+    from dtensor_lite._failures import wait_work
+
+    group = dist.group.WORLD  # gloo: a reduce-scatter's work is waited for on a waiter thread
+    work = _StreamRecordingWork()
+    if not torch.cuda.is_available():
+        wait_work(work, "reduce_scatter", group)
+        return work.streams == [None]
+    side = torch.cuda.Stream()  # as FSDP finishes its reduce-scatters on a side stream
+    with torch.cuda.stream(side):
+        wait_work(work, "reduce_scatter", group)
+    return work.streams == [side]
+
+
+def test_a_work_waited_on_a_thread_orders_the_callers_stream():
+    """On CUDA (DTL_TEST_DEVICE=cuda), the waiter thread waits on the caller's current stream:
+    waiting on its own default stream left FSDP's side stream reading reduce-scatter outputs
+    before gloo had copied them back (wrong gradients in every FSDP test on an H200)."""
+    assert run_distributed(1, _thread_waits_order_the_callers_stream) == [True]
+
+
 def _fsdp_steps_under_load(steps: int, tp: bool):
     """FSDP (or FSDP over TP) steps whose collectives are slow enough to span several wait
     slices on a loaded machine: every rank must finish them (no rank fails)."""
