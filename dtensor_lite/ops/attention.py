@@ -140,7 +140,8 @@ def _empty(q, k, v):
 
 def _unit_stride(*ts):
     """The tensors with a last-dim stride of 1: the CPU flash kernels read a gathered piece of
-    the head dim (strides (.., 1, 90)) as if it were contiguous and return garbage."""
+    the head dim (strides (.., 1, 90)) as if it were contiguous and return garbage; the CUDA
+    fused kernels refuse it ("query: last dimension must be contiguous", seen on an H200)."""
     return [t.contiguous() if isinstance(t, torch.Tensor) and t.ndim and t.stride(-1) != 1
             else t for t in ts]
 
@@ -295,6 +296,8 @@ def _fused_local(op, *args, **kwargs):
     """The kernel on this rank's pieces; an empty piece (uneven batch/head shards) computes
     nothing and returns zeros of the kernel's output shapes (its gradients are zero too)."""
     names = [a.name for a in op._schema.arguments]
+    # a redistributed piece may have any strides
+    args, kwargs = tuple(_unit_stride(*args)), dict(zip(kwargs, _unit_stride(*kwargs.values())))
     if "attn_bias" in names:
         j = names.index("attn_bias")
         if j < len(args) and isinstance(args[j], torch.Tensor) and args[j].numel():
