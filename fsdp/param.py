@@ -24,6 +24,7 @@ import torch
 import torch.nn as nn
 
 from dtensor_lite import DTensor, Replicate, distribute_tensor
+from dtensor_lite._torch_names import unsafe_set_version_counter
 from dtensor_lite._unchecked import unmark
 from dtensor_lite.spec import DTensorSpec, TensorMeta, chunk_range, contiguous_stride
 
@@ -360,18 +361,19 @@ class FSDPParam:
 
     def _own_write(self, op, *args):
         """``op(*args)``, FSDP's own in-place op on the local tensor (lending, taking back), which
-        is no write of the user's: a parameter unwritten before is still unwritten after. Plain
-        calls, not context managers: this runs for every parameter at every gather and
-        reshard (a generator context and ``no_grad`` cost more than the ops: ~2 ms of CPU in
-        benchmarks/fsdp_step.py's 70 ms step)."""
-        clean = not self.written_since_gather()
-        if self.sharded._local_tensor.requires_grad:  # the local piece never does, as built here
+        is no write of the user's: it keeps the values (moves them to other memory), so the
+        local tensor's version counter is put back to what it was -- a parameter unwritten
+        before is still unwritten after, one written while lent still counts as written.
+        Plain calls, not context managers: this runs for every parameter at every gather and
+        reshard."""
+        local = self.sharded._local_tensor
+        version = local._version
+        if local.requires_grad:  # the local piece never does, as built here
             with torch.no_grad():
                 op(*args)
         else:
             op(*args)
-        if clean and self._gathered_versions is not None:
-            self.watch_writes()
+        unsafe_set_version_counter((local,), (version,))
 
     def _versions(self) -> tuple[int, int]:
         """The write counts that see an in-place write into the shard: the parameter's own
