@@ -148,7 +148,8 @@ def pre_forward(state: FSDPState, module: nn.Module, args, kwargs):
             ctx.begin_iteration()
         group = state.group
         if group is not None:
-            group.unshard(keep_post_forward_piece=torch.is_grad_enabled())
+            group.unshard(keep_post_forward_piece=torch.is_grad_enabled(),
+                          lend=group.lends_in_forward())
             ctx.forward_order.append(group)
             _prefetch_forward(state, ctx)
             _publish_for_forward(group)

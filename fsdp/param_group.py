@@ -191,6 +191,15 @@ class ParamGroup:
             return False
         return n is True or (not isinstance(n, bool) and n > 1)
 
+    def lends_in_forward(self) -> bool:
+        """Whether a forward's gather lends the shards: only for a group that stays gathered
+        into backward, whose parameters then sit at the step's peak (the start of backward,
+        every activation alive). A group resharded after forward is gathered again for its
+        backward, and that gather lends; lending its short forward gather too saved nothing of
+        the step's peak and cost a free, an allocation and a copy per shard (w2 L4 step peak
+        the same; ~1 ms of CPU per step of benchmarks/fsdp_step.py)."""
+        return not self.reshards_after_forward()
+
     def start_unshard(self):
         """Issue the all-gather (asynchronously); ``wait_unshard`` finishes it."""
         if self.state is ShardState.UNSHARDED or self.uses_pending:
@@ -267,17 +276,18 @@ class ParamGroup:
             work = C.all_gather_pieces(pieces, info.mesh, info.shard_dim, async_op=True)
         return _PendingAllGather(work, inp, None, layout, world, False, pieces)
 
-    def _copy_out_pieces(self, pending: _PendingAllGather):
+    def _copy_out_pieces(self, pending: _PendingAllGather, lend: bool):
         """Fill the unsharded parameters from the gathered pieces: first free this rank's own
         piece (its rows are copied from the shards, cast as the copy-in cast them, and the
-        shards lent to them), then each other piece with one ``split_with_sizes_copy``, released
-        right after."""
+        shards lent to them if ``lend``), then each other piece with one
+        ``split_with_sizes_copy``, released right after."""
         me, world, layout = self.mesh_info.shard_rank, pending.world, pending.layout
         self.streams.release(pending.inp)
         rows = [p.ready_raw(layout.dtype).view(world, -1) for p in self.params]
         for p, r in zip(self.params, rows):
             r[me].copy_(p.local_tensor().reshape(-1))
-            p.lend_shard()  # now, not after the copy-out: the shard is gone before the pieces
+            if lend:  # now, not after the copy-out: the shard is gone before the pieces
+                p.lend_shard()
         for k, piece in enumerate(pending.pieces):
             if k != me:
                 torch.split_with_sizes_copy(piece, layout.sizes, out=[r[k] for r in rows])
@@ -293,7 +303,10 @@ class ParamGroup:
                     view = view[:n]
                 view.copy_(t, non_blocking=True)
 
-    def wait_unshard(self, keep_post_forward_piece: bool = False):
+    def wait_unshard(self, keep_post_forward_piece: bool = False, lend: bool = True):
+        """Finish the all-gather ``start_unshard`` issued. ``lend``: the shards are lent to the
+        gathered parameters (``FSDPParam.lend_shard``, CPU) -- worth its copies only where the
+        group stays gathered across the step's peak (see ``ParamGroup.lends_in_forward``)."""
         pending = self.pending_ag
         if pending is None:
             return
@@ -315,7 +328,7 @@ class ParamGroup:
                 self._post_forward_layout = pending.layout
                 self._post_forward_n_at_reshard = n
             if pending.pieces is not None:
-                self._copy_out_pieces(pending)
+                self._copy_out_pieces(pending, lend)
             elif self._fused(pending.layout):
                 self._copy_out_fused(pending)
             else:
@@ -327,7 +340,8 @@ class ParamGroup:
                     not any(p.shares_storage(pending.out) for p in self.params):
                 self.streams.release(pending.out)
             for p in self.params:
-                p.lend_shard()
+                if lend:
+                    p.lend_shard()
                 p.watch_writes()
         self.state = ShardState.UNSHARDED
         # unsharded <=> modules show unsharded tensors (a forward use replaces these with
@@ -376,9 +390,9 @@ class ParamGroup:
             "on the module, set_reshard_after_backward(True) before the last backward, or run "
             "forwards without a backward under torch.no_grad()")
 
-    def unshard(self, keep_post_forward_piece: bool = False):
+    def unshard(self, keep_post_forward_piece: bool = False, lend: bool = True):
         self.start_unshard()
-        self.wait_unshard(keep_post_forward_piece)
+        self.wait_unshard(keep_post_forward_piece, lend)
 
     # ================================================================= reshard
     def reshard(self):
