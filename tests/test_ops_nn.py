@@ -682,6 +682,37 @@ def test_batch_norm_eval_matches_one_process():
     _bn_case(mesh2, x, [Shard(1), Shard(0)], [Shard(0), R], training=False)
 
 
+@distributed(world_size=2)
+def test_batch_norm_on_dtensors_takes_native_batch_norm_on_any_device():
+    """F.batch_norm on DTensors runs native_batch_norm, whose rules keep a batch shard local, on
+    every device: the composite would pick cuDNN's kernel on CUDA (no rule: the batch gathered).
+    Taken with autograd on and off, in inference mode and in eval mode, and never for plain
+    tensors; values against plain torch."""
+    from dtensor_lite.ops import _registry
+
+    calls = []
+    taken = _registry.BY_FUNCTION[torch.batch_norm]
+    _registry.BY_FUNCTION[torch.batch_norm] = lambda *a, **k: (calls.append(1), taken(*a, **k))[1]
+    try:
+        mesh = init_device_mesh("cpu", (2,))
+        x, mean, var = _rand(6, 3, 4, seed=1), torch.zeros(3), torch.ones(3)
+        dx = distribute_tensor(x, mesh, [Shard(0)])
+        cases = [(True, torch.enable_grad), (True, torch.no_grad), (True, torch.inference_mode),
+                 (False, torch.enable_grad)]
+        for training, mode in cases:
+            stats = [distribute_tensor(t.clone(), mesh, [R]) for t in (mean, var)]
+            with mode():
+                out = F.batch_norm(dx, *stats, training=training)
+                want = F.batch_norm(x, mean.clone(), var.clone(), training=training)
+            assert out.placements == (Shard(0),), (training, mode)
+            torch.testing.assert_close(out.full_tensor(), want)
+        n = len(calls)
+        F.batch_norm(x, mean, var, training=True)
+        assert n == len(calls) >= len(cases)
+    finally:
+        _registry.BY_FUNCTION[torch.batch_norm] = taken
+
+
 @distributed(world_size=4)
 def test_batch_norm_all_reduces_only_statistics():
     # batch-sharded input: forward all-reduces the per-channel sum, then the sum of squared

@@ -38,7 +38,7 @@ from .. import _torch_names as torch_names
 from ..placements import Partial, Replicate, Shard
 from ..redistribute.entry import redistribute_local
 from ..spec import DTensorSpec, TensorMeta
-from ._registry import Decompose, FullStrategy, register_rule
+from ._registry import Decompose, FullStrategy, intercept_composite, register_rule
 from .kit import arg, bound_args, choose, input_names, replace_args, strategy
 from .nn import all_reduce_over
 
@@ -229,6 +229,26 @@ def _train_forward(*args, op, n_out, mesh, mesh_dims, count, stats, running, dty
     if n_out == 4:  # the reserve of _batch_norm_with_update (empty on CPU)
         outs.append(torch.empty(0, dtype=dtypes[3], device=x.device))
     return tuple(outs)
+
+
+# ----------------------------------------------------------------------------- the composite entry
+def _batch_norm_on_dtensors(input, weight, bias, running_mean, running_var, training, momentum,
+                            eps, cudnn_enabled=True):
+    """``F.batch_norm`` (``torch.batch_norm``) on DTensors: ``native_batch_norm``, whose rules
+    are above. It is what the composite reaches on CPU anyway; on CUDA the composite would pick
+    cuDNN's kernel, which no rule serves (replicated: right values, the whole batch gathered --
+    seen on an H200)."""
+    return torch.native_batch_norm(input, weight, bias, running_mean, running_var, training,
+                                   momentum, eps)[0]
+
+
+intercept_composite(aten.batch_norm.default, _batch_norm_on_dtensors, torch.batch_norm)
+
+
+@register_rule(aten.batch_norm.default)
+def _batch_norm_composite(call):
+    # reached whole only without autograd keys (inference mode)
+    return Decompose(_batch_norm_on_dtensors)
 
 
 # ----------------------------------------------------------------------------- backward
