@@ -24,7 +24,7 @@ from dtensor_lite.pipelining import PipelineScheduleSingle, PipelineStage, get_s
 from examples.llama import Llama, LlamaConfig
 from examples.llama_pipeline import stage_modules, stage_tp_plan
 from fsdp import fully_shard
-from tests.harness import distributed, run_distributed
+from tests.harness import TEST_DEVICE, distributed, run_distributed
 from tp import parallelize_module
 
 SEQ, LR = 8, 1e-2
@@ -73,12 +73,12 @@ def build(schedule, pp, v, m, dp=1, tp=1, layers=None, sp=False, reshard=None, d
         def get_mesh(names, layout):
             asked.append((names, layout))
             return mesh[names]
-        stages = [PipelineStage(mod, s, num_stages, torch.device("cpu"),
+        stages = [PipelineStage(mod, s, num_stages, torch.device(TEST_DEVICE),
                                 group=mesh.get_group("pp"), get_mesh=get_mesh)
                   for s, mod in zip(ids, mods)]
         mesh.asked = asked
     else:
-        stages = [PipelineStage(mod, s, num_stages, "cpu", group=mesh["pp"])
+        stages = [PipelineStage(mod, s, num_stages, TEST_DEVICE, group=mesh["pp"])
                   for s, mod in zip(ids, mods)]
     single = issubclass(cls, PipelineScheduleSingle)
     sched = cls(stages[0] if single else stages, m, loss_fn=_loss)
@@ -268,7 +268,7 @@ def _outcome(fn):
 def _stage_and_mesh(num_stages=2, **kw):
     mesh = _mesh(2, 1, 1)
     rank = mesh["pp"].get_local_rank()
-    return mesh, PipelineStage(torch.nn.Linear(4, 4), rank, num_stages, "cpu", group=mesh["pp"],
+    return mesh, PipelineStage(torch.nn.Linear(4, 4), rank, num_stages, TEST_DEVICE, group=mesh["pp"],
                                **kw)
 
 
@@ -286,7 +286,7 @@ def test_errors_from_global_metadata_are_raised_on_every_rank():
     kind, msg = _outcome(lambda: ScheduleInterleaved1F1B([stage], 1, loss_fn=_loss))
     assert kind == "ValueError" and "needs n_microbatches >= 2" in msg, msg
     kind, msg = _outcome(lambda: PipelineStage(torch.nn.Linear(4, 4), 1 - stage.stage_index, 2,
-                                               "cpu", group=mesh["pp"]))
+                                               TEST_DEVICE, group=mesh["pp"]))
     assert kind == "ValueError" and "belongs on pp rank" in msg, msg
     # the loss function missing on the last stage: found by the first step's agreement, on both
     loss_fn = _loss if dist.get_rank() == 0 else None
@@ -308,7 +308,7 @@ def _raising_body(mode):
             return super().forward(x)
 
     declared = {"input_args": torch.empty(2, 5)} if mode == "shapes" and rank == 1 else {}
-    stage = PipelineStage(Fails(4, 4), rank, 2, "cpu", group=mesh["pp"], **declared)
+    stage = PipelineStage(Fails(4, 4), rank, 2, TEST_DEVICE, group=mesh["pp"], **declared)
     sched = get_schedule_class("gpipe")(stage, 2, loss_fn=lambda y, t: (y - t).pow(2).mean())
     return _outcome(lambda: sched.step(torch.randn(4, 4), target=torch.randn(4, 4)))
 
@@ -400,7 +400,7 @@ def _eval_body():
     rank = mesh["pp"].get_local_rank()
     torch.manual_seed(0)
     whole = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.Tanh(), torch.nn.Linear(6, 3))
-    stage = PipelineStage([whole[:2], whole[2:]][rank], rank, 2, "cpu", group=mesh["pp"])
+    stage = PipelineStage([whole[:2], whole[2:]][rank], rank, 2, TEST_DEVICE, group=mesh["pp"])
     sched = get_schedule_class("1f1b")(stage, 4, loss_fn=lambda y, t: (y - t).pow(2).mean())
     x, t = torch.randn(8, 4), torch.randn(8, 3)
     losses = []
