@@ -77,11 +77,20 @@ def _with_vocab_range(call, full, full_table_rows):
 
 
 def _masked_lookup(weight, indices, *args, start, rows, num_weights, **kwargs):
-    """Embedding of the ids in [start, start + rows) from this rank's rows; other ids give 0."""
-    if indices.device.type == "cpu" and indices.numel() and (
-            int(indices.min()) < 0 or int(indices.max()) >= num_weights):
-        raise IndexError(f"embedding: an index is out of range for a table of {num_weights} rows "
-                         f"(ids span [{int(indices.min())}, {int(indices.max())}])")
+    """Embedding of the ids in [start, start + rows) from this rank's rows; other ids give 0.
+    An id outside the whole table is an error, as in the plain kernel: raised here on CPU; on a
+    GPU asserted asynchronously on the device (torch's own kernel asserts there too; a host
+    check would stall every lookup), never masked to a zero row."""
+    if indices.numel():
+        if indices.device.type == "cpu":
+            if int(indices.min()) < 0 or int(indices.max()) >= num_weights:
+                raise IndexError(f"embedding: an index is out of range for a table of "
+                                 f"{num_weights} rows (ids span [{int(indices.min())}, "
+                                 f"{int(indices.max())}])")
+        else:
+            aten._assert_async.msg(((indices >= 0) & (indices < num_weights)).all(),
+                                   f"embedding: an index is out of range for a table of "
+                                   f"{num_weights} rows")
     local = indices - start
     valid = (local >= 0) & (local < rows)
     if rows == 0:  # an empty vocab shard holds no rows to look up
