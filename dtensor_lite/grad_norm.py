@@ -56,20 +56,22 @@ def get_total_norm(tensors: Iterable[torch.Tensor] | torch.Tensor, norm_type: fl
     groups, plain = _by_mesh(tensors)
     acc = torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32
     identity = {"sum": 0.0, "max": 0.0, "min": math.inf}[op]
-    mine = torch.tensor(identity, dtype=acc)
+    # on the gradients' device, as torch's total: no copy to the host (a GPU would wait for it)
+    device = next(iter(groups)).device_type if groups else (
+        plain[0].device if plain else torch.device("cpu"))
+    mine = torch.tensor(identity, dtype=acc, device=device)
     for mesh, group in groups.items():  # every rank walks the meshes alike (a dict keeps order)
         norms = foreach_norm(group, norm_type)
         coord = mesh.get_coordinate()
         if coord is None or any(coord):  # outside, or not this instance's coordinate-0 rank
             continue
-        mine = _fold(mine, torch.stack([n.to_local().to(acc) for n in norms]), op, norm_type)
+        mine = _fold(mine, torch.stack([n.to_local().to(device, acc) for n in norms]), op,
+                     norm_type)
     if groups:
-        device = next(iter(groups)).device_type
-        mine = C.all_reduce(mine.to(device), default_mesh(mine.to(device)), 0, op).cpu()
+        mine = C.all_reduce(mine, default_mesh(mine), 0, op)
     if plain:
-        mine = _fold(mine, torch.stack([torch.linalg.vector_norm(t.detach().cpu().to(acc),
-                                                                 norm_type) for t in plain]),
-                     op, norm_type)
+        mine = _fold(mine, torch.stack([torch.linalg.vector_norm(t.detach().to(acc), norm_type)
+                                        .to(device) for t in plain]), op, norm_type)
     total = mine if op != "sum" or norm_type in (0.0, 1.0) else mine.pow(1.0 / norm_type)
     if error_if_nonfinite and (total.isnan() or total.isinf()):
         raise RuntimeError(
