@@ -152,6 +152,37 @@ def test_embedding_out_of_range_id_is_an_error():
         F.embedding(_dist(torch.tensor([1, 6]), mesh, [R]), w)
 
 
+@pytest.mark.skipif(not torch.backends.cuda.is_built(),
+                    reason="fake CUDA tensors need a torch built with CUDA (no GPU needed)")
+def test_vocab_sharded_lookup_checks_ids_on_the_device_without_a_host_sync():
+    """On a GPU the lookup of a vocab-sharded table asserts the ids' range on the device (as
+    torch's kernel does) and never reads them on the host (that would stall every lookup). Run
+    on fake CUDA tensors, so it is checked on any machine: the device assert is issued, no
+    value is read (``_local_scalar_dense``)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dtensor_lite.ops.nn import _masked_lookup
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    with FakeTensorMode():
+        weight = torch.empty(3, 4, device="cuda")
+        ids = torch.empty(2, 5, dtype=torch.long, device="cuda")
+        with Ops() as ops:
+            out = _masked_lookup(weight, ids, start=3, rows=3, num_weights=6)
+    assert out.shape == (2, 5, 4)
+    assert "aten._assert_async.msg" in ops.names, ops.names
+    assert not any("_local_scalar_dense" in n for n in ops.names), ops.names
+
+
 # ----------------------------------------------------------------------------- norms
 X_1D = [[R], [Shard(0)], [Shard(1)], [Shard(2)], [Partial()]]
 X_2D = [[Shard(0), Shard(1)], [Shard(1), Shard(0)], [Shard(0), Shard(2)], [Shard(2), Shard(2)],
