@@ -473,6 +473,35 @@ def test_sdpa_forward_backward():
                       [q, *kv], [pq, pkv, pkv], mesh)
 
 
+@pytest.mark.skipif(not torch.backends.cuda.is_built(),
+                    reason="fake CUDA tensors need a torch built with CUDA (no GPU needed)")
+def test_cuda_attention_kernels_get_pieces_with_a_unit_last_stride():
+    """The fused CUDA attention kernels refuse a query/key/value whose last dim is strided
+    ("last dimension must be contiguous", on an H200); a redistributed piece may be: the local
+    call makes it contiguous. On fake CUDA tensors, so it is checked on any machine."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from dtensor_lite.ops.attention import _fused_local
+
+    op = torch.ops.aten._scaled_dot_product_efficient_attention.default
+
+    class Strides(TorchDispatchMode):
+        seen: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func is op:
+                Strides.seen.append([a.stride(-1) for a in args[:3]])
+            return func(*args, **(kwargs or {}))
+
+    with FakeTensorMode():
+        q = torch.empty(2, 3, 8, 6, device="cuda").transpose(-1, -2)  # strides (.., 1, 6)
+        k, v = (torch.empty(2, 3, 6, 8, device="cuda") for _ in range(2))
+        with Strides():
+            out = _fused_local(op, q, k, v, None, True)
+    assert Strides.seen == [[1, 1, 1]] and out[0].shape == (2, 3, 6, 8)
+
+
 @distributed(world_size=4)
 def test_sdpa_communication():
     mesh = init_device_mesh("cpu", (2, 2))
