@@ -192,13 +192,14 @@ class ParamGroup:
         return n is True or (not isinstance(n, bool) and n > 1)
 
     def lends_in_forward(self) -> bool:
-        """Whether a forward's gather lends the shards: only for a group that stays gathered
-        into backward, whose parameters then sit at the step's peak (the start of backward,
-        every activation alive). A group resharded after forward is gathered again for its
-        backward, and that gather lends; lending its short forward gather too saved nothing of
-        the step's peak and cost a free, an allocation and a copy per shard (w2 L4 step peak
-        the same; ~1 ms of CPU per step of benchmarks/fsdp_step.py)."""
-        return not self.reshards_after_forward()
+        """Whether a forward's gather lends the shards: for a group that stays gathered into
+        backward, whose parameters then sit at the step's peak (the start of backward, every
+        activation alive), and in a forward without grad (no backward follows: the forward is
+        the peak). A group resharded after forward is gathered again for its backward, and that
+        gather lends; lending its short forward gather too saved nothing of the step's peak and
+        cost a free, an allocation and a copy per shard (w2 L4 step peak the same; ~1 ms of CPU
+        per step of benchmarks/fsdp_step.py)."""
+        return not self.reshards_after_forward() or not torch.is_grad_enabled()
 
     def start_unshard(self):
         """Issue the all-gather (asynchronously); ``wait_unshard`` finishes it."""

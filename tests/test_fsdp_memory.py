@@ -303,11 +303,11 @@ def test_lent_shards_train_bit_equal_to_kept_shards(layout, raf):
 
 
 def _lent_in_forward_and_backward(raf):
-    """Whether each block's even shards are lent while the block computes its forward and while
-    it computes its backward (read inside ``up``: a forward hook, and a hook on its output's
-    gradient, which runs in the block's backward)."""
+    """Whether each block's even shards are lent while the block computes its forward, its
+    backward, and a forward without grad (read inside ``up``: a forward hook, and a hook on its
+    output's gradient, which runs in the block's backward)."""
     net = build("fsdp", raf)
-    seen = {}
+    seen, phase = {}, ["forward"]
 
     def lent_now(block, when):
         lent = {_lent(p) for p in block._get_fsdp_state().group.params if p.rows_even}
@@ -315,12 +315,16 @@ def _lent_in_forward_and_backward(raf):
 
     for b in net.blocks:
         def hook(module, args, out, b=b):
-            lent_now(b, "forward")
-            out.register_hook(lambda grad: lent_now(b, "backward"))
+            lent_now(b, phase[0])
+            if out.requires_grad:
+                out.register_hook(lambda grad: lent_now(b, "backward"))
         b.up.register_forward_hook(hook)
     for _ in range(2):  # the second step as well: nothing left lent from the first
         seen.clear()
         net(torch.randn(4, H)).square().mean().backward()
+    phase[0] = "no_grad forward"
+    with torch.no_grad():  # no backward follows: the forward is the peak
+        net(torch.randn(4, H))
     return seen
 
 
@@ -328,11 +332,12 @@ def _lent_in_forward_and_backward(raf):
 @pytest.mark.parametrize("raf", [True, False, 2], ids=lambda v: f"raf={v}")
 def test_shards_are_lent_where_the_group_stays_gathered_into_backward(raf):
     """A block's backward gather lends its shards; its forward gather lends them only if the
-    block stays gathered into backward (reshard_after_forward=False): resharded after forward,
-    its forward gather is short and over before the step's peak, and lending there cost a copy
-    per shard for nothing."""
+    block stays gathered into backward (reshard_after_forward=False) or no backward follows (a
+    forward without grad): resharded after forward, its forward gather is short and over before
+    the step's peak, and lending there cost a copy per shard for nothing."""
     got = _lent_in_forward_and_backward(raf)
-    assert got == {"forward": {raf is False}, "backward": {True}}, got
+    assert got == {"forward": {raf is False}, "backward": {True},
+                   "no_grad forward": {True}}, got
 
 
 @distributed(world_size=2, timeout=120)
