@@ -17,7 +17,7 @@ import torch.nn as nn
 from dtensor_lite import init_device_mesh
 from examples.llama import Llama, LlamaConfig, loss_fn, rotary_tables
 from fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from tests.harness import distributed
+from tests.harness import TEST_DEVICE, distributed
 
 # uneven on purpose: 18 rows over 4 ranks are pieces of 5, 5, 5, 3; 66 of 17, 17, 17, 15
 CFG = LlamaConfig(vocab_size=66, dim=18, n_layers=2, n_heads=3, ffn_dim=30, max_seq_len=16)
@@ -78,7 +78,7 @@ def reference_and_sharded(mesh, *, freeze=(), meta=False, **kwargs):
         model = copy.deepcopy(ref)
     shard_llama(model, mesh, **kwargs)
     if meta:
-        model.to_empty(device="cpu")
+        model.to_empty(device=TEST_DEVICE)
         torch.manual_seed(0)  # the reference's init draws, in the same order
         for m in model.modules():
             if hasattr(m, "reset_parameters"):
@@ -186,7 +186,7 @@ def test_meta_init_deterministic_values():
     with torch.device("meta"):
         model = Llama(CFG)
     shard_llama(model, mesh)
-    model.to_empty(device="cpu")
+    model.to_empty(device=TEST_DEVICE)
     with torch.no_grad():
         for i, p in enumerate(model.parameters()):
             p.fill_(0.01 * (i + 1))

@@ -14,7 +14,7 @@ import torch.nn as nn
 from dtensor_lite import (DTensor, Partial, Replicate, Shard, _StridedShard, distribute_tensor,
                           init_device_mesh)
 from fsdp import fully_shard
-from tests.harness import distributed
+from tests.harness import TEST_DEVICE, distributed
 
 MESHES = {
     "fsdp+tp 2x2": ((2, 2), ("dp", "tp")),
@@ -181,7 +181,7 @@ def test_meta_init_gives_the_weights_of_plain_torch():
     for block in model.layers:
         fully_shard(block, mesh=dp)
     fully_shard(model, mesh=dp)
-    model.to_empty(device="cpu")
+    model.to_empty(device=TEST_DEVICE)
 
     def init(m):
         torch.manual_seed(0)
