@@ -68,18 +68,20 @@ def make_pieces(mesh_shape, state, shape, dtype, seed):
     pieces over the Partial mesh dims (sum over sum dims, mean over avg dims, or max / min).
     """
     placements, orders = state
-    gen = torch.Generator().manual_seed(seed)
+    # drawn on the host whatever the test device: the driver's oracle and the workers' pieces
+    # must be the same numbers (a CUDA generator draws others)
+    gen = torch.Generator("cpu").manual_seed(seed)
     coords = list(itertools.product(*(range(n) for n in mesh_shape)))
     key = lambda c: tuple(0 if p[0] == "R" else x for p, x in zip(placements, c))  # noqa: E731
     pieces = {}
     for c in coords:
         if key(c) not in pieces:
             pieces[key(c)] = torch.randint(-8, 9, piece_shape(shape, orders, mesh_shape, c),
-                                           generator=gen).to(dtype)
+                                           generator=gen, device="cpu").to(dtype)
     partial = [i for i, p in enumerate(placements) if p[0] == "P"]
     ops = {placements[i][1] for i in partial}
     n_avg = math.prod(mesh_shape[i] for i in partial if placements[i][1] == "avg")
-    global_ = torch.zeros(shape, dtype=dtype)
+    global_ = torch.zeros(shape, dtype=dtype, device="cpu")
     for c in coords:
         if any(c[i] for i, p in enumerate(placements) if p[0] in "RP"):
             continue  # one representative per Shard position
@@ -103,13 +105,15 @@ def make_input(mesh, state, shape, dtype, seed, via_distribute=False):
     of random per-rank pieces; others from from_local or distribute_tensor of the global value."""
     mesh_shape = mesh.shape
     pieces, key, global_ = make_pieces(mesh_shape, state, shape, dtype, seed)
+    global_ = global_.to(mesh.device_type)  # drawn on the host, used on the mesh's device
     placements = public_placements(*state, mesh_shape)
     coord = tuple(mesh.get_coordinate())
     has_partial = any(p[0] == "P" for p in state[0])
     if via_distribute and not has_partial:
         x = distribute_tensor(global_, mesh, placements)
     else:
-        x = DTensor.from_local(pieces[key(coord)].clone(), mesh, placements, shape=shape)
+        x = DTensor.from_local(pieces[key(coord)].to(mesh.device_type).clone(), mesh,
+                               placements, shape=shape)
     check_value(x, global_, state)
     return x, global_
 
