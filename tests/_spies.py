@@ -1,9 +1,10 @@
-"""Spies the tests share: which torch functions a TorchFunctionMode is shown, and which calls
-reach the process group's own methods."""
+"""Spies the tests share: which torch functions a TorchFunctionMode is shown, which aten ops a
+TorchDispatchMode is shown, and which calls reach the process group's own methods."""
 import contextlib
 
 import torch.distributed as dist
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class FunctionNames(TorchFunctionMode):
@@ -16,6 +17,19 @@ class FunctionNames(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         self.names.append(getattr(func, "__name__", str(func)))
+        return func(*args, **(kwargs or {}))
+
+
+class OpNames(TorchDispatchMode):
+    """A mode that records the name of every aten op dispatched under it (``names``, e.g.
+    ``"aten.add.Tensor"``) and runs it unchanged."""
+
+    def __init__(self):
+        super().__init__()
+        self.names = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.names.append(str(func))
         return func(*args, **(kwargs or {}))
 
 

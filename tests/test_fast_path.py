@@ -5,20 +5,10 @@ import functools
 
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from dtensor_lite import DTensor, Replicate, Shard, distribute_tensor, init_device_mesh
+from tests._spies import OpNames
 from tests.harness import distributed
-
-
-class _Ops(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.ops.append(str(func))
-        return func(*args, **(kwargs or {}))
 
 
 def _with_fast_path(fn):
@@ -110,9 +100,9 @@ def test_calls_that_need_the_ordinary_path_take_it():
     out.sum().backward()
     assert c.grad is not None
     # a dispatch mode sees every aten op, cached or not
-    with _Ops() as mode:
+    with OpNames() as mode:
         a + b
-    assert "aten.add.Tensor" in mode.ops
+    assert "aten.add.Tensor" in mode.names
     # views stay views of their input (autograd and version counters rely on it)
     for _ in range(3):
         t = a.t()

@@ -160,23 +160,14 @@ def test_vocab_sharded_lookup_checks_ids_on_the_device_without_a_host_sync():
     on fake CUDA tensors, so it is checked on any machine: the device assert is issued, no
     value is read (``_local_scalar_dense``)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     from dtensor_lite.ops.nn import _masked_lookup
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = []
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.append(str(func))
-            return func(*args, **(kwargs or {}))
+    from tests._spies import OpNames
 
     with FakeTensorMode():
         weight = torch.empty(3, 4, device="cuda")
         ids = torch.empty(2, 5, dtype=torch.long, device="cuda")
-        with Ops() as ops:
+        with OpNames() as ops:
             out = _masked_lookup(weight, ids, start=3, rows=3, num_weights=6)
     assert out.shape == (2, 5, 4)
     assert "aten._assert_async.msg" in ops.names, ops.names
