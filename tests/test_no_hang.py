@@ -431,7 +431,11 @@ class _StreamRecordingWork:
 def _thread_waits_order_the_callers_stream():
     from dtensor_lite._failures import wait_work
 
-    group = dist.group.WORLD  # gloo: a reduce-scatter's work is waited for on a waiter thread
+    # gloo (a 2-rank world is gloo under DTL_TEST_DEVICE=cuda too; a 1-rank one is NCCL, whose
+    # works are waited for on the calling thread): a reduce-scatter's work is waited for on a
+    # waiter thread
+    group = dist.group.WORLD
+    assert dist.get_backend(group) == "gloo"
     work = _StreamRecordingWork()
     if not torch.cuda.is_available():
         wait_work(work, "reduce_scatter", group)
@@ -446,7 +450,7 @@ def test_a_work_waited_on_a_thread_orders_the_callers_stream():
     """On CUDA (DTL_TEST_DEVICE=cuda), the waiter thread waits on the caller's current stream:
     waiting on its own default stream left FSDP's side stream reading reduce-scatter outputs
     before gloo had copied them back (wrong gradients in every FSDP test on an H200)."""
-    assert run_distributed(1, _thread_waits_order_the_callers_stream) == [True]
+    assert run_distributed(2, _thread_waits_order_the_callers_stream) == [True, True]
 
 
 def _fsdp_steps_under_load(steps: int, tp: bool):
