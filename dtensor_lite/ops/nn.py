@@ -82,15 +82,13 @@ def _masked_lookup(weight, indices, *args, start, rows, num_weights, **kwargs):
     GPU asserted asynchronously on the device (torch's own kernel asserts there too; a host
     check would stall every lookup), never masked to a zero row."""
     if indices.numel():
+        what = f"embedding: an index is out of range for a table of {num_weights} rows"
         if indices.device.type == "cpu":
-            if int(indices.min()) < 0 or int(indices.max()) >= num_weights:
-                raise IndexError(f"embedding: an index is out of range for a table of "
-                                 f"{num_weights} rows (ids span [{int(indices.min())}, "
-                                 f"{int(indices.max())}])")
+            low, high = int(indices.min()), int(indices.max())
+            if low < 0 or high >= num_weights:
+                raise IndexError(f"{what} (ids span [{low}, {high}])")
         else:
-            aten._assert_async.msg(((indices >= 0) & (indices < num_weights)).all(),
-                                   f"embedding: an index is out of range for a table of "
-                                   f"{num_weights} rows")
+            aten._assert_async.msg(((indices >= 0) & (indices < num_weights)).all(), what)
     local = indices - start
     valid = (local >= 0) & (local < rows)
     if rows == 0:  # an empty vocab shard holds no rows to look up
