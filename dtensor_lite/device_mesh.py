@@ -17,7 +17,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh as _TorchDeviceMesh
 
 from . import _caches, _failures, _mesh_abort
-from ._torch_names import backend_options, private
+from ._torch_names import backend_options, c10d_world as _C10D_WORLD, private
 
 __all__ = ["DeviceMesh", "init_device_mesh"]
 
@@ -164,6 +164,11 @@ class _MeshScopeMethod:
 
     def __get__(self, mesh, owner=None):
         return self if mesh is None else types.MethodType(self._fn, mesh)
+
+
+def _live_default_group():
+    """The default process group now, or None (a torch that does not name its world object)."""
+    return dist.distributed_c10d._get_default_group() if dist.is_initialized() else None
 
 
 class DeviceMesh:
@@ -395,8 +400,10 @@ class DeviceMesh:
         ranks in group order, this rank's position): what ``collectives.py`` issues on."""
         # compare with the *live* default group: _GROUPS._owner only moves when a mesh is built,
         # so after destroy + init it would still match this mesh's dead groups
-        if not dist.is_initialized() or self._root._aborted or \
-                self._pg_owner is not dist.distributed_c10d._get_default_group():
+        # (one attribute read where torch names its world object; None there when uninitialised,
+        # which no mesh's owner is)
+        if self._root._aborted or self._pg_owner is not (
+                _C10D_WORLD.default_pg if _C10D_WORLD is not None else _live_default_group()):
             self._check_alive()
         return self._dim_groups[mesh_dim]
 

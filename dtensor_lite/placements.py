@@ -299,6 +299,8 @@ def _equal_to_torch(ours: Placement, other) -> bool:
     ``NotImplemented`` for our objects, so Python asks this one in both orders; the hashes
     follow torch's formulas (``hash(dim)``, ``-1``, ``1 + hash(reduce_op)``) so equal
     placements of either library are one dict key."""
+    if is_ours(other):  # one of ours of another kind: unequal, no lookup
+        return False
     try:
         theirs = from_torch_placement(other)
     except TypeError:  # a torch placement with no equivalent (_MaskPartial, ...)
