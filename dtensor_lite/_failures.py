@@ -271,7 +271,7 @@ def _remote_failure(kind: str, group, failure: str) -> RankFailedError:
         "is the one to fix (see docs/troubleshooting.md, 'A rank failed').", failure)
 
 
-def wait_work(work, kind: str, group) -> None:
+def wait_work(work, kind: str, group, timed_wait_aborts: bool | None = None) -> None:
     """Wait for ``work`` (a collective of ``kind`` over ``group``). On gloo, in slices of
     ``POLL_INTERVAL``: a failure another rank posted meanwhile raises :class:`RankFailedError`;
     a collective that fails itself (gloo's timeout, a peer gone) raises
@@ -282,11 +282,16 @@ def wait_work(work, kind: str, group) -> None:
     never from clocks: on a loaded machine a healthy collective may take any number of slices,
     and only the process group's own timeout may fail it. A backend whose works cannot wait with
     a timeout at all (PyTorch's threaded test group, some third-party backends) is waited for
-    without slices, bounded by the group's timeout alone."""
+    without slices, bounded by the group's timeout alone.
+
+    ``timed_wait_aborts``: whether a timed wait would break ``work`` (then it is waited for on a
+    thread); None: as the work says (``_Works``), else true for a reduce-scatter only."""
     if not _sliceable(group):
         work.wait()
         return
-    if getattr(work, "timed_wait_aborts", kind == "reduce_scatter"):
+    if timed_wait_aborts is None:
+        timed_wait_aborts = getattr(work, "timed_wait_aborts", kind == "reduce_scatter")
+    if timed_wait_aborts:
         # gloo's reduce_scatter work runs the collective inside wait() and ignores its timeout
         # (and has no future), and a send / receive pair is closed by a timed-out wait: wait for
         # those on a thread of their own and watch the store from here (works dtensor_lite wraps

@@ -326,13 +326,13 @@ def _launch(kind: str, issued, finish, async_op: bool):
     return finish()
 
 
-def _wait_issued(work, kind: str, group, hold, flight=None) -> None:
+def _wait_issued(work, kind: str, group, hold, flight=None, timed_wait_aborts=None) -> None:
     """Wait for an issued collective's ``work`` in slices, watching for a failure another rank
     posted (see _failures.py), then release the private aliases ``hold`` of its buffers (see
     _inflight.py); a wait that raises keeps them until the backend lets go."""
     start = time.perf_counter() if flight is not None else 0.0
     try:
-        wait_work(work, kind, group)
+        wait_work(work, kind, group, timed_wait_aborts)
     except BaseException:
         _inflight.abandon(None, hold)
         raise
@@ -441,7 +441,9 @@ def _wait_direct(work, group, name: str, kind: str, hold: list) -> None:
     method of ``group`` called on the aliases ``hold`` (``name``: as ``_desync`` records it)."""
     if _desync.RECORDING:
         issued(work, group, name)
-    _wait_issued(work, kind, group, hold)
+    # an all-gather's or all-reduce's work (a reduce-scatter is issued as an all-reduce here,
+    # ``kind`` names what the caller asked for): waited for in slices, never on a thread
+    _wait_issued(work, kind, group, hold, timed_wait_aborts=False)
 
 
 def then(result, fn):

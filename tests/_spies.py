@@ -1,5 +1,6 @@
 """Spies the tests share: which torch functions a TorchFunctionMode is shown, which aten ops a
-TorchDispatchMode is shown, and which calls reach the process group's own methods."""
+TorchDispatchMode is shown, which calls reach the process group's own methods, and which calls
+a module-level function gets."""
 import contextlib
 
 import torch.distributed as dist
@@ -57,3 +58,19 @@ def process_group_calls(*methods):
     finally:
         for m, descriptor in saved.items():
             setattr(group_class, m, descriptor)
+
+
+@contextlib.contextmanager
+def calls_of(module, name: str):
+    """The argument tuples of every call of ``module.name`` inside the block (a list, filled as
+    calls come); the function runs as before and is put back after."""
+    real, calls = getattr(module, name), []
+
+    def spy(*args, **kwargs):
+        calls.append(args)
+        return real(*args, **kwargs)
+    setattr(module, name, spy)
+    try:
+        yield calls
+    finally:
+        setattr(module, name, real)
