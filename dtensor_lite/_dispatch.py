@@ -24,6 +24,8 @@ stop at their next collective instead of waiting for it.
 """
 from __future__ import annotations
 
+import itertools
+import operator
 from contextvars import ContextVar
 
 import torch
@@ -90,8 +92,29 @@ def _signed(a, dts: list):
     if t is float or t is int:
         return (t, (a > 0) - (a < 0) if a == a else 2)  # 2: NaN
     if t is list or t is tuple:
-        return (t, tuple([_signed(x, dts) for x in a]))
+        # a foreach op's lists (every parameter, every optimizer step): DTensors only keyed
+        # by their specs in one C-level pass; numbers (per-parameter step sizes) inline
+        if _only_dtensors(a):
+            dts.extend(a)
+            return (t, tuple(map(_SPEC_OF, a)))
+        parts = []
+        for x in a:
+            tx = type(x)
+            if tx is float or tx is int:
+                parts.append((tx, (x > 0) - (x < 0) if x == x else 2))
+            else:
+                parts.append(_signed(x, dts))
+        return (t, tuple(parts))
     return _key(a, dts)
+
+
+_SPEC_OF = operator.attrgetter("_spec")
+_ONLY_DTENSOR = {DTensor}
+
+
+def _only_dtensors(a) -> bool:
+    """Whether the non-empty list / tuple ``a`` holds exactly-DTensor objects only (C-level)."""
+    return bool(a) and set(map(type, a)) == _ONLY_DTENSOR
 
 
 _BY_SIGN = object()  # marks sign-class keys: never equal to a by-value key of the same op
@@ -314,7 +337,11 @@ def _swap(a, locals_iter):
     if isinstance(a, DTensor):
         return next(locals_iter)
     if isinstance(a, (list, tuple)):
-        return type(a)(next(locals_iter) if isinstance(x, DTensor) else x for x in a)
+        if _only_dtensors(a):  # a foreach op's list: the next len(a) pieces, taken in C
+            swapped = list(itertools.islice(locals_iter, len(a)))
+        else:
+            swapped = [next(locals_iter) if isinstance(x, DTensor) else x for x in a]
+        return swapped if type(a) is list else type(a)(swapped)
     return a
 
 
