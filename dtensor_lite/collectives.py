@@ -975,11 +975,23 @@ def exchange_pieces(sends: dict, recvs: dict, device, async_op: bool = False,
 def all_reduce_max_over(group, values: list) -> list:
     """The max of a few ints over every rank of ``group``, a process group in no world's group
     map (two jobs' joint group, ``jobs.JobLink``): its own all-reduce, waited plainly -- bounded
-    by the group's timeout; a peer that died makes gloo raise at once."""
+    by the group's timeout; a peer that died makes gloo raise at once. The backend gets a private
+    alias, as every collective here gives it (``_inflight``): this is the last collective of a
+    job that closes its link and exits, and gloo's thread lets go of the work a moment after the
+    wait returns -- holding ``t`` itself, it would free it after the interpreter began to
+    finalize (SIGABRT: tests/test_jobs.py's trainer, 2 runs in 5 on 2 cores)."""
     t = torch.tensor(values, dtype=torch.int64)
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.MAX
-    group.allreduce([t], opts).wait()
+    hold: list = []
+    work = group.allreduce([_inflight.private(t, hold)], opts)
+    try:
+        work.wait()
+    except BaseException:
+        _inflight.abandon(None, hold)
+        raise
+    del work  # before the aliases (as _wait_issued): the backend's thread may still hold it
+    _inflight.retire(hold)
     return t.tolist()
 
 

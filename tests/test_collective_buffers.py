@@ -165,3 +165,18 @@ def test_cached_moves_call_the_process_group_unless_something_would_see_the_call
                            for n in mode.names), mode.names
     finally:
         C._issue = general
+
+
+@distributed(world_size=2)
+def test_the_joint_max_of_two_jobs_hands_the_backend_a_private_alias():
+    """``all_reduce_max_over`` (the all-reduce of a link between two jobs, jobs.py; a job's last
+    collective before it exits) gives the backend an alias ``_inflight`` keeps until gloo's
+    thread lets go, never its own tensor: that thread freed it during the interpreter's
+    finalization (an abort at exit, tests/test_jobs.py)."""
+    rank = dist.get_rank()
+    with _handed_to_backend() as seen, process_group_calls("allreduce") as calls:
+        got = C.all_reduce_max_over(dist.group.WORLD, [rank, -rank])
+    assert got == [1, 0]
+    (_, (tensors, _opts)), = calls
+    assert len(seen) == 1 and tensors[0] is seen[0]
+    assert _inflight.drain(timeout=10) == (0, 0)  # released once the backend let go
