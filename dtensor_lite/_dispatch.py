@@ -92,19 +92,12 @@ def _signed(a, dts: list):
     if t is float or t is int:
         return (t, (a > 0) - (a < 0) if a == a else 2)  # 2: NaN
     if t is list or t is tuple:
-        # a foreach op's lists (every parameter, every optimizer step): DTensors only keyed
-        # by their specs in one C-level pass; numbers (per-parameter step sizes) inline
+        # a foreach op's list of DTensors (every parameter, every optimizer step): keyed by
+        # their specs in one C-level pass
         if _only_dtensors(a):
             dts.extend(a)
             return (t, tuple(map(_SPEC_OF, a)))
-        parts = []
-        for x in a:
-            tx = type(x)
-            if tx is float or tx is int:
-                parts.append((tx, (x > 0) - (x < 0) if x == x else 2))
-            else:
-                parts.append(_signed(x, dts))
-        return (t, tuple(parts))
+        return (t, tuple([_signed(x, dts) for x in a]))
     return _key(a, dts)
 
 

@@ -983,8 +983,8 @@ def all_reduce_max_over(group, values: list) -> list:
     t = torch.tensor(values, dtype=torch.int64)
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.MAX
-    hold: list = []
-    work = group.allreduce([_inflight.private(t, hold)], opts)
+    hold = _held(group, t)
+    work = group.allreduce(hold, opts)
     try:
         work.wait()
     except BaseException:
