@@ -102,6 +102,7 @@ def _signed(a, dts: list):
 
 
 _SPEC_OF = operator.attrgetter("_spec")
+_LOCAL_OF = operator.attrgetter("_local_tensor")
 _ONLY_DTENSOR = {DTensor}
 
 
@@ -272,6 +273,8 @@ class _Decision:
                 locals_ = [dt._local_tensor if tgt is None else
                            redistribute_local(dt._local_tensor, dt._spec, tgt)
                            for dt, tgt in zip(dts, targets)]
+        elif self.flat_positions is None and not self.relayout:
+            locals_ = None  # lists of DTensors (foreach ops): pieces taken per argument below
         else:
             locals_ = [dt._local_tensor for dt in dts]
         if self.relayout:  # the destination itself becomes its reduced piece and spec
@@ -283,6 +286,9 @@ class _Decision:
             for pos, loc in zip(positions, locals_):
                 largs[pos] = loc
             lkwargs = kwargs
+        elif locals_ is None:
+            largs = [_pieces(a) for a in args]
+            lkwargs = {k: _pieces(v) for k, v in kwargs.items()}
         else:
             it = iter(locals_)
             largs = [_swap(a, it) for a in args]
@@ -291,7 +297,8 @@ class _Decision:
             out = self.local_fn(*largs, **lkwargs)
         except Exception as e:  # an error only this rank's data raises must not strand the others
             _failures.on_kernel_error(self.op, e, [dt._spec if t is None else t for dt, t in
-                                                   zip(dts, targets)], locals_)
+                                                   zip(dts, targets)],
+                                      locals_ or [dt._local_tensor for dt in dts])
             raise
         if validate:
             _validate_outputs(self, out)
@@ -334,6 +341,21 @@ def _swap(a, locals_iter):
             swapped = list(itertools.islice(locals_iter, len(a)))
         else:
             swapped = [next(locals_iter) if isinstance(x, DTensor) else x for x in a]
+        return swapped if type(a) is list else type(a)(swapped)
+    return a
+
+
+def _pieces(a):
+    """``a`` with its DTensors replaced by their own local pieces: ``_swap`` where nothing was
+    moved, without first collecting every piece into one list (a foreach op over every
+    parameter: the lists mapped in C)."""
+    if isinstance(a, DTensor):
+        return a._local_tensor
+    if isinstance(a, (list, tuple)):
+        if _only_dtensors(a):
+            swapped = list(map(_LOCAL_OF, a))
+        else:
+            swapped = [x._local_tensor if isinstance(x, DTensor) else x for x in a]
         return swapped if type(a) is list else type(a)(swapped)
     return a
 
