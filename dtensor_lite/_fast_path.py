@@ -51,7 +51,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from . import _caches, _dispatch, _fast_methods, _unchecked
+from . import _caches, _dispatch, _fast_methods, _foreach_replay, _unchecked
 from . import _torch_names as N
 from ._aliasing import COPIED_VIEWS
 from ._quick_call import cheaper_spelling as _cheaper_spelling, const as _const, \
@@ -75,6 +75,7 @@ _grad_enabled = torch.is_grad_enabled
 _any_requires_grad = N.any_requires_grad
 _dispatch_modes = N.len_torch_dispatch_stack
 _autocast = N.is_any_autocast_enabled
+_inference_mode = torch.is_inference_mode_enabled
 _make_wrapper = N.make_wrapper_subclass
 _fwad = torch.autograd.forward_ad
 _BY_FUNCTION = _registry.BY_FUNCTION
@@ -181,6 +182,8 @@ def torch_function(cls, func, types_, args=(), kwargs=None):
         return _ordinary(func, types_, args, kwargs)
     if _RECORDERS or _dispatch_modes() or _autocast() or _fwad._current_level >= 0:
         return _ordinary(func, types_, args, kwargs)
+    if func in _LIST_OVERLOADED:  # torch._foreach_*: lists of DTensors, another key
+        return _foreach(func, types_, args, kwargs, grad)
     # The key: the function, grad mode, each DTensor's spec, every other argument as a constant
     # (specs are interned: hashing the key never calls back into Python). Built inline: this is
     # the hot path of every call on a DTensor; the usual shapes first (one or two positional
@@ -250,7 +253,25 @@ def _loop_key(func, grad, args, kwargs):
     return tuple(key), dts
 
 
-def _learn(key, func, types_, args, kwargs, dts):
+def _foreach(func, types_, args, kwargs, grad):
+    """A ``torch._foreach_*`` call: straight to the dispatcher where its kind was learned
+    (``_foreach_replay``), with grad mode off and outside inference mode."""
+    key = None if grad or _inference_mode() else _foreach_replay.key(func, args, kwargs)
+    if key is None:
+        return _ordinary(func, types_, args, kwargs)
+    learned = _foreach_replay.LEARNED.get(key)
+    if learned is None:
+        out, recorder = _recorded_ordinary(func, types_, args, kwargs)
+        _foreach_replay.learn(key, func, args, kwargs, recorder, out)
+        return out
+    if learned is _foreach_replay.NO_SHORTCUT:
+        return _ordinary(func, types_, args, kwargs)
+    return _foreach_replay.run(learned, types_, args, kwargs)
+
+
+def _recorded_ordinary(func, types_, args, kwargs):
+    """``(result, records)``: the call the ordinary way, with the dispatcher's record of each op
+    it dispatched ((op, args, kwargs, decision, result))."""
     recorder: list = []
     _dispatch.RECORDERS.append(recorder)
     try:
@@ -258,6 +279,11 @@ def _learn(key, func, types_, args, kwargs, dts):
     finally:
         # by identity: a nested call's recorder (an empty list) would compare equal to another
         del _dispatch.RECORDERS[next(i for i, r in enumerate(_dispatch.RECORDERS) if r is recorder)]
+    return out, recorder
+
+
+def _learn(key, func, types_, args, kwargs, dts):
+    out, recorder = _recorded_ordinary(func, types_, args, kwargs)
     if len(_SHORTCUTS) >= _dispatch._DECISIONS.max_size:
         _SHORTCUTS.clear()  # bounded like the decisions replays hold; relearning is one call
     if not recorder and func in _IDENTITY_FOR_SOME and any(out is dt for dt in dts):

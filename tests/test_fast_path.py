@@ -113,6 +113,104 @@ def test_calls_that_need_the_ordinary_path_take_it():
     assert (a @ b).dtype == torch.float32
 
 
+
+def _foreach_cases(xs, ys, zs, coef, step):
+    """Foreach calls as optimizers and grad clipping make them, on lists ``xs``, ``ys``, ``zs``
+    (DTensors or plain tensors alike) and a one-element ``coef`` tensor; ``step`` changes the
+    numbers each call (AdamW's per-parameter step sizes)."""
+    sizes = [-(0.1 + step) * (k + 1) for k in range(len(xs))]
+    return [
+        lambda: torch._foreach_add_(xs, ys, alpha=-0.01 * (step + 1)),
+        lambda: torch._foreach_mul_(xs, 0.9),
+        lambda: torch._foreach_lerp_(ys, zs, 0.1),
+        lambda: torch._foreach_addcmul_(zs, ys, ys, 0.001),
+        # a keyword naming a positional argument; arguments equal to their defaults, which
+        # torch leaves out of what it hands on (SGD's momentum, Adagrad, RMSprop call so)
+        lambda: torch._foreach_addcmul_(zs, ys, ys, value=0.001),
+        lambda: torch._foreach_addcmul_(zs, ys, ys, value=1),
+        lambda: torch._foreach_add_(ys, zs, alpha=1),
+        lambda: torch._foreach_addcdiv_(xs, ys, torch._foreach_add(torch._foreach_sqrt(zs),
+                                                                   1e-8), sizes),
+        lambda: torch._foreach_div_(ys, [1.0 + step + k for k in range(len(ys))]),
+        lambda: torch._foreach_mul_(ys, coef),
+        lambda: torch._foreach_maximum(xs, ys),
+        lambda: torch._foreach_norm(ys),
+    ]
+
+
+@distributed(world_size=2)
+@_with_fast_path
+def test_foreach_calls_go_straight_to_the_dispatcher():
+    """Under no_grad a foreach call of a kind seen before skips the C++ re-entry
+    (_foreach_replay): same values and placements as plain torch, on every placement (uneven
+    shards, Partial inputs that the op reduces), the written lists' versions bumped."""
+    from dtensor_lite import Partial, _fast_path, _foreach_replay
+    from tests._spies import calls_of
+    mesh = init_device_mesh("cpu", (2,))
+    torch.manual_seed(0)
+    shapes = [(5, 3), (4,), (3, 7), (6, 2)]
+    layouts = [Shard(0), Replicate(), Shard(1), Shard(0)]
+    full = [[torch.rand(s) + 0.5 for s in shapes] for _ in range(3)]
+    dts = [[distribute_tensor(t, mesh, [p]) for t, p in zip(ts, layouts)] for ts in full]
+    plain = [[t.clone() for t in ts] for ts in full]
+    coef = torch.tensor(0.5)
+    dcoef = distribute_tensor(coef, mesh, [Replicate()])
+    with torch.no_grad():
+        for step in range(3):
+            with calls_of(_fast_path, "_ordinary") as ordinary:
+                ours = [f() for f in _foreach_cases(*dts, dcoef, step)]
+            theirs = [f() for f in _foreach_cases(*plain, coef, step)]
+            if step:  # learned at the first call: none of these calls takes the ordinary way
+                assert not [a for a in ordinary if any(a[2][0] is ts for ts in dts)]
+            for o, t in zip(ours, theirs):
+                if t is None:
+                    assert o is None
+                    continue
+                assert type(o) is type(t) and len(o) == len(t)
+                for od, td in zip(o, t):
+                    # elementwise: bit-exact; a norm sums shards apart (float32, a few terms)
+                    torch.testing.assert_close(od.full_tensor(), td)
+            for ds, ps in zip(dts, plain):
+                for d, p, layout in zip(ds, ps, layouts):
+                    assert d.placements == (layout,)
+                    torch.testing.assert_close(d.full_tensor(), p, rtol=0, atol=0)
+    assert any(v is not _foreach_replay.NO_SHORTCUT for v in _foreach_replay.LEARNED.values())
+    xs = dts[0]
+    # each in-place call bumps the versions of the list it writes into, once
+    with torch.no_grad():
+        before = [x._version for x in xs]
+        torch._foreach_mul_(xs, 1.0)
+        assert [x._version for x in xs] == [v + 1 for v in before]
+    # ... so autograd still catches a write into a tensor it saved
+    w = distribute_tensor(torch.ones(5, 3), mesh, [Shard(0)]).requires_grad_()
+    out = (w * xs[0]).sum()
+    with torch.no_grad():
+        torch._foreach_add_(xs, dts[1], alpha=0.5)
+    try:
+        out.backward()
+        raise AssertionError("the foreach write went unnoticed by autograd")
+    except RuntimeError as e:
+        assert "modified by an inplace operation" in str(e)
+    # Partial inputs (gradients before their reduction): reduced by the op, as the ordinary way
+    params = [distribute_tensor(torch.ones(4, 2), mesh, [Replicate()]) for _ in range(2)]
+    rank = torch.distributed.get_rank()
+    for _ in range(2):
+        grads = [DTensor.from_local(torch.full((4, 2), float(rank + 1)), mesh, [Partial()])
+                 for _ in range(2)]
+        with torch.no_grad():
+            torch._foreach_add_(params, grads, alpha=-0.5)
+    for p in params:  # each step subtracts 0.5 * (1 + 2)
+        torch.testing.assert_close(p.full_tensor(), torch.full((4, 2), 1.0 - 2 * 1.5))
+    # grad mode on, or inference mode: the ordinary way (autograd records; torch counts no
+    # versions), with the same values
+    ys = [distribute_tensor(torch.ones(3), mesh, [Shard(0)]) for _ in range(2)]
+    for context in (torch.enable_grad, torch.inference_mode):
+        with context(), calls_of(_fast_path, "_ordinary") as ordinary:
+            torch._foreach_mul_(ys, 2.0)
+        assert len(ordinary) == 1
+    for y in ys:
+        torch.testing.assert_close(y.full_tensor(), torch.full((3,), 4.0))
+
 class _FunctionSub(torch.Tensor):
     """A plain subclass: torch's default ``__torch_function__`` keeps it through every op."""
 
