@@ -606,7 +606,8 @@ def _decide_on_one_mesh(op, args, kwargs, dts):
     else:
         d.out_kind = "other"
         d.out_specs = None
-    flat = not kwargs or not any(isinstance(v, (DTensor, list, tuple)) for v in kwargs.values())
+    flat = flat_kwargs = not kwargs or not any(isinstance(v, (DTensor, list, tuple))
+                                               for v in kwargs.values())
     positions = []
     for k, a in enumerate(args):
         if isinstance(a, DTensor):
@@ -616,14 +617,23 @@ def _decide_on_one_mesh(op, args, kwargs, dts):
     d.flat_positions = tuple(positions) if flat else None
     # the common case that dispatch() runs inline: nothing to move, one fresh tensor out
     d.fast = not d.needs_redistribute and d.flat_positions is not None and d.out_kind == "tensor"
-    if full.local_fn is None and not d.needs_redistribute and d.flat_positions is not None and \
-            not len_torch_dispatch_stack() and not is_traced(dts[0]._local_tensor):
-        # torch.<name> / Tensor.<name> where it runs exactly this op on these local pieces
-        local_args = list(args)
-        for pos in d.flat_positions:
-            local_args[pos] = args[pos]._local_tensor
-        d.local_fn = quick_callable(op, local_args, kwargs, d.local_fn)
+    if full.local_fn is None and not d.needs_redistribute and not d.relayout and \
+            not len_torch_dispatch_stack() and not is_traced(dts[0]._local_tensor) and \
+            (d.flat_positions is not None or flat_kwargs):
+        # torch.<name> / Tensor.<name> where it runs exactly this op on these local pieces (a
+        # foreach op's lists too: over every parameter the generated parser saves ~0.1 us each)
+        local_args = [_pieces(a) for a in args]
+        fn = quick_callable(op, local_args, kwargs, d.local_fn)
+        if fn is not d.local_fn and not op._schema.returns:
+            fn = _returning_nothing(fn)  # torch._foreach_add_ returns its list; the op nothing
+        d.local_fn = fn
     return d
+
+
+def _returning_nothing(fn):
+    def call(*args, **kwargs):
+        fn(*args, **kwargs)
+    return call
 
 
 def _is_plain(a):

@@ -74,6 +74,8 @@ def runs_exactly(fn, op, args, kwargs, spelled=None) -> bool:
     metas: dict = {}
 
     def meta(a):
+        if _tensors(a):  # a foreach op's list: each tensor as a meta tensor
+            return type(a)(meta(t) for t in a)
         if not isinstance(a, torch.Tensor):
             return a
         if id(a) not in metas:
@@ -89,10 +91,25 @@ def runs_exactly(fn, op, args, kwargs, spelled=None) -> bool:
     if len(mode.seen) != 1 or mode.seen[0][0] is not op:
         return False
     _, sargs, skw = mode.seen[0]
-    return len(sargs) == len(margs) and all(
-        x is y or (not isinstance(x, torch.Tensor) and const(x) == const(y))
-        for x, y in zip(sargs, margs)) and {k: const(v) for k, v in skw.items()} == \
-        {k: const(v) for k, v in mkw.items()}
+    return len(sargs) == len(margs) and all(map(_received, sargs, margs)) and \
+        {k: const(v) for k, v in skw.items()} == {k: const(v) for k, v in mkw.items()}
+
+
+def _tensors(a) -> bool:
+    """Whether ``a`` is a non-empty list / tuple of tensors."""
+    return isinstance(a, (list, tuple)) and bool(a) and all(isinstance(t, torch.Tensor)
+                                                            for t in a)
+
+
+def _received(seen, given) -> bool:
+    """Whether the op saw the argument ``given`` as it was: the same tensor (or the same
+    tensors, in a list), or a constant equal to it."""
+    if seen is given:
+        return True
+    if _tensors(given):
+        return _tensors(seen) and len(seen) == len(given) and all(
+            s is g for s, g in zip(seen, given))
+    return not isinstance(seen, torch.Tensor) and const(seen) == const(given)
 
 
 def cheaper_spelling(fn, op, args, kwargs) -> list:

@@ -340,3 +340,19 @@ def test_linear_and_attention_are_intercepted_for_dtensors_only():
                 unseen = F.linear(distribute_tensor(x, mesh, [Shard(0)]), dw.detach(),
                                   db.detach())
             torch.testing.assert_close(unseen.full_tensor(), ref.detach())
+
+
+def test_a_spelled_local_call_must_see_the_same_tensors_in_its_lists():
+    """The dispatcher calls ``torch.<name>`` for a cached op only where it runs exactly that op
+    with the same arguments (``_quick_call.runs_exactly``, on meta tensors); for a foreach op's
+    lists that means the same tensors, in order, reaching the same overload."""
+    from dtensor_lite._quick_call import runs_exactly
+    aten = torch.ops.aten
+    xs, ys = [torch.ones(3), torch.ones(2, 2)], [torch.ones(3), torch.ones(2, 2)]
+    assert runs_exactly(torch._foreach_add_, aten._foreach_add_.List, [xs, ys], {"alpha": 2.0})
+    assert runs_exactly(torch._foreach_mul_, aten._foreach_mul_.Scalar, [xs, 0.5], {})
+    # another overload (a list of numbers), or other tensors than given: not this call
+    assert not runs_exactly(torch._foreach_mul_, aten._foreach_mul_.ScalarList, [xs, 0.5], {})
+    same = [torch.ones(3), torch.ones(3)]
+    assert not runs_exactly(lambda a, b: torch._foreach_add_(list(reversed(a)), b),
+                            aten._foreach_add_.List, [same, same], {})
