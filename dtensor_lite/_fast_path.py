@@ -29,6 +29,9 @@ When the shortcut is not taken (every check is made per call, each a C-level rea
   trackers, torch's ``CommDebugMode``: they must see every aten op), or autocast is on (it
   inserts casts). (dtensor_lite's ``CommDebugMode`` counts collectives: a replay has none.)
 
+A ``torch._foreach_*`` call (lists of DTensors: an optimizer step) is not replayed but sent
+straight to ``__torch_dispatch__`` once its argument kinds were seen (``_foreach_replay``).
+
 Installed at import; ``DTENSOR_LITE_FAST_PATH=0`` in the environment (or ``uninstall()``) leaves
 every call to ``__torch_dispatch__``. The ordinary way skips only DTensor's own hook for the call
 (``_skip_one_hop_torch_function``), so a local piece that is a tensor subclass keeps its own
