@@ -185,6 +185,7 @@ def _fit(elem_op, pos, kw):
 
 # ---------------------------------------------------------------- the rule
 def foreach_rule(call: OpCall):
+    _check_lengths(call.op, call.args)
     info = _info(call.op)
     if info.base in _REDUCING:
         return Decompose(_reducing_decomposition(call.op, info))
@@ -250,6 +251,23 @@ def foreach_rule(call: OpCall):
             out_orders.append(full.out_orders[0] if full.out_orders else None)
     return FullStrategy(outs=outs, ins=ins, local_fn=None, out_orders=out_orders or None,
                         in_orders=in_orders)
+
+
+def _check_lengths(op, args):
+    """torch's own checks of a foreach call's list lengths, with its messages (its kernel makes
+    them; a rule reading the lists index by index must make them first)."""
+    tensors, scalars = [], []
+    for a, param in zip(args, op._schema.arguments):
+        if isinstance(a, (list, tuple)):
+            (tensors if "Tensor" in str(param.type) else scalars).append(len(a))
+    if not tensors:
+        return
+    for n in tensors[1:]:
+        if n != tensors[0]:
+            raise RuntimeError(f"Tensor lists must have the same number of tensors, got "
+                               f"{tensors[0]} and {n}")
+    if any(n != tensors[0] for n in scalars):
+        raise RuntimeError("Tensor list must have same number of elements as scalar list.")
 
 
 def _list_length(s_args, info):
