@@ -48,13 +48,15 @@ _DTENSOR_TUPLE = "DTensor tuple"  # positional only: the dispatcher receives it 
 
 
 def _kind(a):
+    # a list's length is part of its kind: lists of other lengths than learned are checked by
+    # torch's own kernel (the ordinary way) as they always were
     t = type(a)
     if t is list:
         if _only_dtensors(a):
-            return _DTENSOR_LIST
-        return _NUMBER_LIST if a and set(map(type, a)) <= _NUMBERS else None
+            return _DTENSOR_LIST, len(a)
+        return (_NUMBER_LIST, len(a)) if a and set(map(type, a)) <= _NUMBERS else None
     if t is tuple:  # an out-of-place foreach's result (AdamW's denominators), passed on
-        return _DTENSOR_TUPLE if _only_dtensors(a) else None
+        return (_DTENSOR_TUPLE, len(a)) if _only_dtensors(a) else None
     if t is DTensor or t in _NUMBERS or a is None:
         return t
     return None  # a plain tensor, anything else the parser might convert: never learned
@@ -72,7 +74,7 @@ def key(func, args, kwargs):
     if kwargs:
         for name, v in kwargs.items():
             k = _kind(v)
-            if k is None or k is _DTENSOR_TUPLE:
+            if k is None or _is_tuple_kind(k):
                 return None
             kinds.append((name, k))
     return tuple(kinds)
@@ -89,7 +91,7 @@ def learn(call_key, func, args, kwargs, records, out) -> None:
     learned = NO_SHORTCUT
     if len(records) == 1:
         op, r_args, r_kwargs, _, result = records[0]
-        tuples = tuple(i for i, k in enumerate(call_key[1:]) if k is _DTENSOR_TUPLE)
+        tuples = tuple(i for i, k in enumerate(call_key[1:]) if _is_tuple_kind(k))
         placed = _placed(op, _listed(args, tuples), kwargs or {})
         returns_self = bool(args) and out is args[0]
         if op._schema.name == "aten::" + func.__name__ and placed is not None and \
@@ -119,6 +121,10 @@ def run(learned, types_, args, kwargs):
     for pos in written:  # as autograd's in-place kernel counts a write into each wrapper
         increment_version(args[pos])
     return args[0] if returns_self else tuple(out)
+
+
+def _is_tuple_kind(kind) -> bool:
+    return type(kind) is tuple and kind[0] is _DTENSOR_TUPLE
 
 
 def _listed(args, tuples):

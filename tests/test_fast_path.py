@@ -201,6 +201,16 @@ def test_foreach_calls_go_straight_to_the_dispatcher():
             torch._foreach_add_(params, grads, alpha=-0.5)
     for p in params:  # each step subtracts 0.5 * (1 + 2)
         torch.testing.assert_close(p.full_tensor(), torch.full((4, 2), 1.0 - 2 * 1.5))
+    # lists of other lengths than learned: torch's own checks, as the ordinary way gives them
+    with torch.no_grad():
+        for call, message in [
+                (lambda: torch._foreach_add_(xs, dts[1][:2], alpha=0.5), "same number of tensors"),
+                (lambda: torch._foreach_div_(dts[1], [1.0, 2.0]), "same number of elements")]:
+            try:
+                call()
+                raise AssertionError("lists of different lengths were accepted")
+            except RuntimeError as e:
+                assert message in str(e)
     # grad mode on, or inference mode: the ordinary way (autograd records; torch counts no
     # versions), with the same values
     ys = [distribute_tensor(torch.ones(3), mesh, [Shard(0)]) for _ in range(2)]
