@@ -23,21 +23,22 @@ autocast or forward AD).
 """
 from __future__ import annotations
 
-import math
 import operator
 
 from . import _caches
 from .dtensor import DTensor
 from ._dispatch import _DECISIONS, _only_dtensors
+from ._quick_call import const
 from ._torch_names import increment_version
 
 __all__ = ["key", "learn", "run", "NO_SHORTCUT", "LEARNED"]
 
 NO_SHORTCUT = object()  # a learned verdict: calls of this kind run the ordinary way
 # (function, kinds) -> (aten overload, positions of tuples handed on as lists, True where the
-# arguments are placed anew every call (a keyword for a positional argument) else the arguments
-# with a default (placed anew when one equals it), positions of the lists the op writes into,
-# whether the function returns its first argument) or NO_SHORTCUT;
+# arguments are placed anew every call (a keyword for a positional argument) else the
+# (position or keyword, default) of each argument that has one (placed anew when one equals
+# it), positions of the lists the op writes into, whether the function returns its first
+# argument) or NO_SHORTCUT;
 # cleared with the dispatcher's decisions
 LEARNED: dict = _caches.register_decisions({})
 
@@ -114,8 +115,8 @@ def run(learned, types_, args, kwargs):
     returns."""
     op, tuples, replace, written, returns_self = learned
     listed = _listed(args, tuples)
-    if replace is True or replace and any(_is_default(a, args[k] if type(k) is int else
-                                                      kwargs[k]) for k, a in replace):
+    if replace is True or replace and any(_same_value(d, args[k] if type(k) is int else
+                                                      kwargs[k]) for k, d in replace):
         listed, kwargs = _placed(op, listed, kwargs or {})
     out = DTensor.__torch_dispatch__(op, types_, listed, kwargs or {})
     for pos in written:  # as autograd's in-place kernel counts a write into each wrapper
@@ -170,12 +171,15 @@ def _placed(op, args, kwargs):
 
 
 def _defaulted(op, args, kwargs) -> tuple:
-    """``(position or keyword, schema argument)`` of the call's arguments that have a default:
-    where one comes equal to it, torch leaves it out of what it hands on."""
+    """``(position or keyword, default)`` of the call's arguments that have a default (read from
+    the schema once, here): where one comes equal to it, torch leaves it out of what it hands
+    on."""
     positional = [a for a in op._schema.arguments if not a.kwarg_only]
     by_name = {a.name: a for a in op._schema.arguments}
-    return tuple([(k, a) for k, a in enumerate(positional[:len(args)]) if a.has_default_value()]
-                 + [(k, by_name[k]) for k in kwargs if by_name[k].has_default_value()])
+    return tuple([(k, a.default_value) for k, a in enumerate(positional[:len(args)])
+                  if a.has_default_value()]
+                 + [(k, by_name[k].default_value) for k in kwargs
+                    if by_name[k].has_default_value()])
 
 
 def _is_default(arg, value) -> bool:
@@ -209,10 +213,6 @@ def _same_value(recorded, given) -> bool:
         return False
     if type(given) is list:
         return len(recorded) == len(given) and all(map(_same_value, recorded, given))
-    return type(given) in _NUMBERS and recorded == given and _sign(recorded) == _sign(given)
-
-
-def _sign(x):
-    # -0.0 == 0.0: a kernel may read the sign (copysign-like), so the two are told apart
-    return type(x) is float and math.copysign(1.0, x) < 0
+    # const: type and value, a zero with its sign (-0.0 == 0.0, but a kernel may read it)
+    return type(given) in _NUMBERS and const(recorded) == const(given)
 
